@@ -1,0 +1,1 @@
+"""Checkpoint IO: files to modules on a device. Plain torch, never imports ComfyUI."""

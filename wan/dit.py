@@ -1,0 +1,373 @@
+"""The Wan2.2 i2v diffusion transformer with LingBot-World camera control.
+
+Parameter names and shapes follow upstream checkpoints exactly (`blocks.N.self_attn.q.weight`,
+`blocks.N.cam_scale_layer.weight`, `patch_embedding_wancamctrl.weight`, ...), so a real state dict
+loads with no renaming.
+
+Upstream runs the model under `torch.autocast("cuda", bfloat16)` with fp32 islands. Here the same
+dtype flow is written out explicitly (every Linear runs in `compute_dtype`, the modulation,
+residual stream, time embedding and head in fp32), so CPU and GPU take one code path and
+bitsandbytes 4-bit layers slot in unchanged. Memory-saving departures that keep every value equal:
+the time embedding is computed once per timestep and broadcast over tokens instead of per token,
+and RoPE is applied in token chunks.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .config import CONTROL_CHANNELS, DiTConfig
+
+ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included."""
+    weight = layer.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:  # bitsandbytes Params4bit
+        if dtype == quant_state.dtype:
+            return layer(x.to(dtype))
+        import bitsandbytes.functional as bnb_f
+
+        weight = bnb_f.dequantize_4bit(weight.data, quant_state)
+    bias = layer.bias
+    return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+def sinusoidal_embedding_1d(dim: int, position: torch.Tensor) -> torch.Tensor:
+    half = dim // 2
+    position = position.to(torch.float64)
+    sinusoid = torch.outer(position, torch.pow(10000, -torch.arange(half).to(position).div(half)))
+    return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
+
+
+def rope_params(max_seq_len: int, dim: int, theta: float = 10000) -> torch.Tensor:
+    freqs = torch.outer(
+        torch.arange(max_seq_len, device="cpu"),
+        1.0 / torch.pow(theta, torch.arange(0, dim, 2, device="cpu").to(torch.float64).div(dim)),
+    )
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def rope_freqs(head_dim: int) -> torch.Tensor:
+    """Complex128 [1024, head_dim/2]: frame, height and width bands side by side."""
+    d = head_dim
+    return torch.cat(
+        [
+            rope_params(1024, d - 4 * (d // 6)),
+            rope_params(1024, 2 * (d // 6)),
+            rope_params(1024, 2 * (d // 6)),
+        ],
+        dim=1,
+    )
+
+
+def rope_apply(x: torch.Tensor, grid: tuple, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding over (frame, height, width) in float64, as upstream; returns fp32.
+
+    x: [L, heads, head_dim] with L = f*h*w.
+    """
+    seq_len, n, c = x.shape[0], x.shape[1], x.shape[2] // 2
+    f, h, w = grid
+    fr = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    table = torch.cat(
+        [
+            fr[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            fr[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            fr[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ],
+        dim=-1,
+    ).reshape(seq_len, 1, -1)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for s in range(0, seq_len, ROPE_CHUNK):
+        e = min(s + ROPE_CHUNK, seq_len)
+        xc = torch.view_as_complex(x[s:e].to(torch.float64).reshape(e - s, n, -1, 2))
+        out[s:e] = torch.view_as_real(xc * table[s:e]).flatten(2)
+    return out
+
+
+class WanRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight.to(x.dtype)
+
+
+class WanLayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, elementwise_affine: bool = False):
+        super().__init__(dim, elementwise_affine=elementwise_affine, eps=eps)
+
+    def forward(self, x):
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).type_as(x)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype) -> torch.Tensor:
+    """[L, heads, d] inputs, cast to `dtype` as upstream's flash_attention does; SDPA kernels."""
+    q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+
+
+class WanSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = True, eps: float = 1e-6):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+        self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+        self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
+
+    def forward(self, x, grid, freqs, dtype):
+        n, d = self.num_heads, self.head_dim
+        q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
+        k = self.norm_k(linear(self.k, x, dtype)).view(-1, n, d)
+        v = linear(self.v, x, dtype).view(-1, n, d)
+        q = rope_apply(q, grid, freqs)
+        k = rope_apply(k, grid, freqs)
+        out = attention(q, k, v, dtype).to(q.dtype)  # upstream returns q's dtype (fp32 here)
+        return linear(self.o, out.flatten(1), dtype)
+
+
+class WanCrossAttention(WanSelfAttention):
+    def forward(self, x, context, dtype):
+        n, d = self.num_heads, self.head_dim
+        q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
+        k = self.norm_k(linear(self.k, context, dtype)).view(-1, n, d)
+        v = linear(self.v, context, dtype).view(-1, n, d)
+        out = attention(q, k, v, dtype).to(q.dtype)
+        return linear(self.o, out.flatten(1), dtype)
+
+
+class WanAttentionBlock(nn.Module):
+    def __init__(self, dim, ffn_dim, num_heads, qk_norm, cross_attn_norm, eps, camera: bool):
+        super().__init__()
+        self.norm1 = WanLayerNorm(dim, eps)
+        self.self_attn = WanSelfAttention(dim, num_heads, qk_norm, eps)
+        self.norm3 = (
+            WanLayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
+        )
+        self.cross_attn = WanCrossAttention(dim, num_heads, qk_norm, eps)
+        self.norm2 = WanLayerNorm(dim, eps)
+        self.ffn = nn.Sequential(
+            nn.Linear(dim, ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(ffn_dim, dim)
+        )
+        self.modulation = nn.Parameter(torch.empty(1, 6, dim))
+        if camera:
+            self.cam_injector_layer1 = nn.Linear(dim, dim)
+            self.cam_injector_layer2 = nn.Linear(dim, dim)
+            self.cam_scale_layer = nn.Linear(dim, dim)
+            self.cam_shift_layer = nn.Linear(dim, dim)
+
+    def forward(self, x, e0, grid, freqs, context, cam, dtype):
+        """x: [L, C] (bf16 into block 0, fp32 after); e0: [1, 6, C] fp32; cam: [L, C] or None."""
+        e = (self.modulation.float() + e0).chunk(6, dim=1)  # each [1, C] fp32
+        y = self.self_attn(self.norm1(x).float() * (1 + e[1]) + e[0], grid, freqs, dtype)
+        x = x + y * e[2]
+        if cam is not None:
+            h = linear(self.cam_injector_layer1, cam, dtype)
+            h = linear(self.cam_injector_layer2, F.silu(h), dtype) + cam
+            scale = linear(self.cam_scale_layer, h, dtype)
+            shift = linear(self.cam_shift_layer, h, dtype)
+            x = (1.0 + scale) * x + shift
+        x = x + self.cross_attn(self.norm3(x), context, dtype)
+        h = self.norm2(x).float() * (1 + e[4]) + e[3]
+        y = linear(self.ffn[2], self.ffn[1](linear(self.ffn[0], h, dtype)), dtype)
+        return x + y * e[5]
+
+
+class Head(nn.Module):
+    def __init__(self, dim, out_dim, patch_size, eps=1e-6):
+        super().__init__()
+        self.norm = WanLayerNorm(dim, eps)
+        self.head = nn.Linear(dim, math.prod(patch_size) * out_dim)
+        self.modulation = nn.Parameter(torch.empty(1, 2, dim))
+
+    def forward(self, x, e):
+        """x: [L, C]; e: [1, C] fp32. Runs entirely in fp32, as upstream's autocast island."""
+        m = (self.modulation.float() + e.unsqueeze(1)).chunk(2, dim=1)
+        return linear(self.head, self.norm(x) * (1 + m[1][0]) + m[0][0], torch.float32)
+
+
+class WanModel(nn.Module):
+    """One LingBot-World expert (or plain Wan2.2 i2v when `control_type` is None).
+
+    Constructor arguments are the fields of upstream's `config.json` plus `control_type`.
+    Build under `torch.device("meta")` to get the structure with no weight memory.
+    """
+
+    def __init__(
+        self,
+        model_type="i2v",
+        patch_size=(1, 2, 2),
+        text_len=512,
+        in_dim=36,
+        dim=5120,
+        ffn_dim=13824,
+        freq_dim=256,
+        text_dim=4096,
+        out_dim=16,
+        num_heads=40,
+        num_layers=40,
+        window_size=(-1, -1),
+        qk_norm=True,
+        cross_attn_norm=True,
+        eps=1e-6,
+        control_type="cam",
+    ):
+        super().__init__()
+        if model_type != "i2v":
+            raise ValueError(f"model_type: only 'i2v' is supported, got {model_type!r}")
+        if control_type not in (None, "cam", "act"):
+            raise ValueError(f"control_type must be 'cam', 'act' or None, got {control_type!r}")
+        if tuple(window_size) != (-1, -1):
+            raise ValueError(f"window_size: only global attention (-1, -1) is supported, got {window_size}")
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ValueError(f"dim {dim} must split into {num_heads} heads of even size")
+        self.config = DiTConfig(
+            model_type, tuple(patch_size), text_len, in_dim, dim, ffn_dim, freq_dim, text_dim,
+            out_dim, num_heads, num_layers, tuple(window_size), qk_norm, cross_attn_norm, eps,
+            control_type,
+        )  # fmt: skip
+        self.patch_size = tuple(patch_size)
+        self.text_len = text_len
+        self.dim = dim
+        self.freq_dim = freq_dim
+        self.out_dim = out_dim
+        self.control_type = control_type
+        self.compute_dtype = torch.bfloat16
+
+        self.patch_embedding = nn.Conv3d(in_dim, dim, kernel_size=patch_size, stride=patch_size)
+        if control_type is not None:
+            cam_in = CONTROL_CHANNELS[control_type] * math.prod(patch_size)
+            self.patch_embedding_wancamctrl = nn.Linear(cam_in, dim)
+            self.c2ws_hidden_states_layer1 = nn.Linear(dim, dim)
+            self.c2ws_hidden_states_layer2 = nn.Linear(dim, dim)
+        self.text_embedding = nn.Sequential(
+            nn.Linear(text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim)
+        )
+        self.time_embedding = nn.Sequential(
+            nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim)
+        )
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
+        self.blocks = nn.ModuleList(
+            WanAttentionBlock(
+                dim, ffn_dim, num_heads, qk_norm, cross_attn_norm, eps, control_type is not None
+            )
+            for _ in range(num_layers)
+        )
+        self.head = Head(dim, out_dim, patch_size, eps)
+        self._freqs = None  # complex128 RoPE table, made on first use on the compute device
+
+    @classmethod
+    def from_config(cls, config: DiTConfig) -> "WanModel":
+        return cls(**vars(config))
+
+    def _rope(self, device):
+        if self._freqs is None or self._freqs.device != device:
+            self._freqs = rope_freqs(self.blocks[0].self_attn.head_dim).to(device)
+        return self._freqs
+
+    def time_embed(self, t: torch.Tensor):
+        """Timestep [1] -> (e [1, C], e0 [1, 6, C]) in fp32; every token shares them in i2v."""
+        e = sinusoidal_embedding_1d(self.freq_dim, t.reshape(-1)[:1]).float()
+        e = linear(self.time_embedding[0], e, torch.float32)
+        e = linear(self.time_embedding[2], F.silu(e), torch.float32)
+        e0 = linear(self.time_projection[1], F.silu(e), torch.float32).unflatten(1, (6, self.dim))
+        return e, e0
+
+    def embed_camera(self, cam: torch.Tensor, dtype) -> torch.Tensor:
+        """Packed camera tensor [1, C, F, H, W] -> per-token conditioning [L, dim]."""
+        if self.control_type is None:
+            raise ValueError("this checkpoint has no camera layers (plain Wan2.2 i2v); drop the camera input")
+        expected = CONTROL_CHANNELS[self.control_type]
+        if cam.dim() != 5 or cam.shape[:2] != (1, expected):
+            raise ValueError(
+                f"camera tensor: expected [1, {expected}, lat_f, lat_h, lat_w] for control_type "
+                f"{self.control_type!r}, got {list(cam.shape)}"
+            )
+        p1, p2, p3 = self.patch_size
+        tokens = rearrange(
+            cam, "1 c (f c1) (h c2) (w c3) -> (f h w) (c c1 c2 c3)", c1=p1, c2=p2, c3=p3
+        )
+        c = linear(self.patch_embedding_wancamctrl, tokens, dtype)
+        h = linear(self.c2ws_hidden_states_layer1, c, dtype)
+        return c + linear(self.c2ws_hidden_states_layer2, F.silu(h), dtype)
+
+    def forward(self, x, t, context, seq_len=None, y=None, cam=None):
+        """One denoising prediction.
+
+        x: noisy latent [16, F, H, W]; t: timestep tensor [1]; context: text embedding
+        [tokens, text_dim] (trimmed, padded here to text_len); y: i2v condition [20, F, H, W]
+        (mask + image latent); cam: packed camera tensor [1, C, F, H, W] or None.
+        Returns the flow prediction [out_dim, F, H, W] in fp32.
+        """
+        dtype = self.compute_dtype
+        if y is None:
+            raise ValueError("i2v model needs the image condition y [20, F, H, W]")
+        x = torch.cat([x, y], dim=0)
+        w = self.patch_embedding.weight
+        x = F.conv3d(
+            x.unsqueeze(0).to(dtype), w.to(dtype), self.patch_embedding.bias.to(dtype),
+            stride=self.patch_size,
+        )[0]  # fmt: skip
+        grid = tuple(x.shape[1:])
+        x = x.flatten(1).transpose(0, 1)  # [L, dim]
+        if seq_len is not None and x.shape[0] > seq_len:
+            raise ValueError(f"seq_len {seq_len} is shorter than the {x.shape[0]} video tokens")
+
+        e, e0 = self.time_embed(t)
+        if context.shape[0] > self.text_len:
+            raise ValueError(f"context has {context.shape[0]} tokens, more than text_len {self.text_len}")
+        context = torch.cat([context, context.new_zeros(self.text_len - context.shape[0], context.shape[1])])
+        context = linear(self.text_embedding[0], context, dtype)
+        context = linear(self.text_embedding[2], self.text_embedding[1](context), dtype)
+
+        cam_tokens = None if cam is None else self.embed_camera(cam, dtype)
+        if cam_tokens is not None and cam_tokens.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"camera tensor gives {cam_tokens.shape[0]} tokens, the video has {x.shape[0]}; "
+                "lat_f/lat_h/lat_w must match the latent"
+            )
+        freqs = self._rope(x.device)
+        for block in self.blocks:
+            x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
+        x = self.head(x, e)
+        return self.unpatchify(x, grid)
+
+    def unpatchify(self, x: torch.Tensor, grid: tuple) -> torch.Tensor:
+        c = self.out_dim
+        u = x[: math.prod(grid)].view(*grid, *self.patch_size, c)
+        u = torch.einsum("fhwpqrc->cfphqwr", u)
+        return u.reshape(c, *[i * j for i, j in zip(grid, self.patch_size)]).float()
+
+
+@torch.no_grad()
+def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """Fill every parameter with seeded random values (tests and benchmarks; real use loads weights).
+
+    Upstream's init would zero the head and the biases, making outputs trivially zero.
+    """
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm_q.weight") or name.endswith("norm_k.weight") or ".norm3." in name:
+            p.copy_(1 + std * torch.randn(p.shape, generator=g))
+        else:
+            scale = 1 / math.sqrt(p.shape[-1]) if "modulation" in name else std
+            p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model

@@ -358,16 +358,19 @@ class WanModel(nn.Module):
 
 
 @torch.no_grad()
-def init_random_(model: nn.Module, seed: int = 0, std: float = 0.02) -> nn.Module:
+def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
     """Fill every parameter with seeded random values (tests and benchmarks; real use loads weights).
 
-    Upstream's init would zero the head and the biases, making outputs trivially zero.
+    Weights get std 1/sqrt(fan_in) so activations keep their scale through the blocks; upstream's own
+    init zeroes the head and the camera biases, which would make outputs trivially zero.
     """
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm_q.weight") or name.endswith("norm_k.weight") or ".norm3." in name:
-            p.copy_(1 + std * torch.randn(p.shape, generator=g))
+        r = torch.randn(p.shape, generator=g)
+        if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+            p.copy_(1 + 0.1 * r)
+        elif p.dim() >= 2 and "modulation" not in name:
+            p.copy_(r / math.sqrt(p[0].numel()))
         else:
-            scale = 1 / math.sqrt(p.shape[-1]) if "modulation" in name else std
-            p.copy_(scale * torch.randn(p.shape, generator=g))
+            p.copy_(0.1 * r)
     return model

@@ -1,0 +1,80 @@
+"""Expert residency for the dual-expert loop: only one expert on the device at a time.
+
+On a switch the resident expert is either dropped (and streamed again from disk when next needed)
+or parked in host RAM while the parked total stays under `ram_budget` bytes, which makes repeated
+runs (ComfyUI queues, CLI batches) skip the disk read at the cost of that RAM.
+"""
+
+import gc
+from pathlib import Path
+
+import torch
+
+from .stream import load_expert
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def free_device_memory():
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class ExpertSwitcher:
+    """Callable `switcher('high'|'low') -> WanModel` for `wan.pipeline`."""
+
+    def __init__(self, paths: dict, device, quantize: bool | None = None, ram_budget: int = 0, on_load=None):
+        missing = {"high", "low"} - set(paths)
+        if missing:
+            raise ValueError(f"expert paths: missing {sorted(missing)}; expected keys 'high' and 'low'")
+        self.paths = {k: Path(v) for k, v in paths.items()}
+        self.device = torch.device(device)
+        self.quantize = quantize
+        self.ram_budget = ram_budget
+        self.on_load = on_load  # optional callback(name, model) after a load, e.g. for logging
+        self.loads = 0  # how many times an expert was streamed from disk
+        self._name = None
+        self._model = None
+        self._parked: dict[str, torch.nn.Module] = {}
+
+    def __call__(self, name: str) -> torch.nn.Module:
+        if name not in self.paths:
+            raise ValueError(f"expert must be 'high' or 'low', got {name!r}")
+        if name == self._name:
+            return self._model
+        self.release()
+        model = self._parked.pop(name, None)
+        if model is not None:
+            model = model.to(self.device)
+        else:
+            model = load_expert(self.paths[name], self.device, quantize=self.quantize)
+            self.loads += 1
+        self._name, self._model = name, model
+        if self.on_load is not None:
+            self.on_load(name, model)
+        return model
+
+    @property
+    def resident(self) -> str | None:
+        return self._name
+
+    def release(self):
+        """Take the resident expert off the device: park it in RAM if the budget allows, else drop it."""
+        if self._model is None:
+            return
+        model, name = self._model, self._name
+        self._model = self._name = None
+        parked = sum(module_bytes(m) for m in self._parked.values())
+        if parked + module_bytes(model) <= self.ram_budget:
+            self._parked[name] = model.to("cpu")
+        del model
+        free_device_memory()
+
+    def close(self):
+        """Release everything, parked experts included."""
+        self.release()
+        self._parked.clear()
+        free_device_memory()

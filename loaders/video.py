@@ -1,0 +1,53 @@
+"""MP4 output through PyAV: written to a temporary file beside the target, then renamed into place,
+so an interrupted run leaves no partial file and an existing file is never overwritten by accident."""
+
+import os
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+
+def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int = 18) -> Path:
+    """frames: uint8 [F, H, W, 3] (tensor or array). Returns the written path."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output folder {path.parent} does not exist")
+    array = frames.numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+    if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3:
+        raise ValueError(f"frames: expected uint8 [F, H, W, 3], got {array.dtype} {list(array.shape)}")
+    if array.shape[1] % 2 or array.shape[2] % 2:
+        raise ValueError(f"frames: H.264 needs even height and width, got {array.shape[1]}x{array.shape[2]}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.mp4")
+    try:
+        with av.open(str(tmp), "w") as container:
+            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
+            stream.width, stream.height = array.shape[2], array.shape[1]
+            stream.pix_fmt = "yuv420p"
+            stream.options = {"crf": str(crf)}
+            for frame in array:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())
+        if path.exists() and not overwrite:  # appeared while we were encoding
+            raise FileExistsError(f"{path} appeared while writing; not overwriting it")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_mp4_info(path) -> dict:
+    """Frame count, size and frame rate of an MP4, by decoding it (tests and the CLI summary)."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        count = sum(1 for _ in container.decode(stream))
+        return {
+            "frames": count,
+            "width": stream.width,
+            "height": stream.height,
+            "fps": float(stream.average_rate),
+        }

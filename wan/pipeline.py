@@ -1,0 +1,124 @@
+"""The one generation flow: text embeddings -> camera conditioning -> VAE encode of the first frame
+-> dual-expert sampling -> VAE decode -> frames. Upstream's `WanI2V.generate`, step for step.
+
+Everything that touches files or a host framework comes in as hooks, so the CLI, the ComfyUI nodes,
+the tests and the benchmarks all run this same code:
+- `experts(name)` returns the expert for 'high' or 'low' (the provider decides residency: it drops
+  or parks the other one before loading, so only one is resident on the device);
+- `progress(i, n, latent)` after each step; `interrupted()` before each step and phase;
+- `phase(name)` a context manager around each phase (timing, memory accounting).
+"""
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import SampleConfig
+from . import i2v
+from .schedulers import expert_for_timestep, guide_scale_for, make_scheduler
+
+
+class Interrupted(Exception):
+    """Raised when the `interrupted` hook says stop; models are released on the way out."""
+
+
+@dataclass
+class Hooks:
+    progress: Callable[[int, int, torch.Tensor], None] | None = None
+    interrupted: Callable[[], bool] | None = None
+    phase: Callable[[str], contextlib.AbstractContextManager] | None = None
+
+    def check(self):
+        if self.interrupted is not None and self.interrupted():
+            raise Interrupted("generation interrupted")
+
+    def in_phase(self, name: str):
+        return self.phase(name) if self.phase is not None else contextlib.nullcontext()
+
+
+def denoise(
+    experts: Callable[[str], torch.nn.Module],
+    noise: torch.Tensor,
+    y: torch.Tensor,
+    context: torch.Tensor,
+    context_null: torch.Tensor,
+    cam: torch.Tensor | None,
+    settings: SampleConfig,
+    hooks: Hooks | None = None,
+) -> torch.Tensor:
+    """The dual-expert CFG sampling loop. Returns the final latent [16, lat_f, lat_h, lat_w] (fp32)."""
+    hooks = hooks or Hooks()
+    device = noise.device
+    scheduler = make_scheduler(settings.solver, settings.sample_steps, settings.sample_shift, device)
+    timesteps = scheduler.timesteps
+    seq_len = i2v.seq_len(*noise.shape[1:])
+    latent = noise
+    with contextlib.ExitStack() as stack:
+        current = None
+        for i, t in enumerate(timesteps):
+            hooks.check()
+            which = expert_for_timestep(t, settings.boundary)
+            if which != current:  # a new phase per expert: its load and its steps
+                stack.close()
+                stack.enter_context(hooks.in_phase(f"denoise_{which}"))
+                model, current = experts(which), which
+            g = guide_scale_for(t, settings.boundary, settings.guide_scale)
+            timestep = t.reshape(1).to(device)
+            with torch.no_grad():
+                cond = model(latent, timestep, context, seq_len, y=y, cam=cam)
+                uncond = model(latent, timestep, context_null, seq_len, y=y, cam=cam)
+                pred = uncond + g * (cond - uncond)
+                del cond, uncond
+                latent = scheduler.step(pred, t, latent)
+            if hooks.progress is not None:
+                hooks.progress(i + 1, len(timesteps), latent)
+    return latent
+
+
+def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
+    """[3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8, as upstream's save_video (clamp, scale, truncate)."""
+    return ((video.clamp(-1, 1) + 1) / 2 * 255).to(torch.uint8).permute(1, 2, 3, 0).cpu()
+
+
+def generate(
+    image: torch.Tensor,
+    context: torch.Tensor,
+    context_null: torch.Tensor,
+    vae,
+    experts: Callable[[str], torch.nn.Module],
+    release_experts: Callable[[], None],
+    size: tuple[int, int, int, int],
+    frame_num: int,
+    settings: SampleConfig,
+    cam: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    hooks: Hooks | None = None,
+) -> torch.Tensor:
+    """Image [3, H, W] in [-1, 1] + text embeddings (+ packed camera tensor) -> video [3, F, h, w].
+
+    `size` is (lat_h, lat_w, h, w) from `wan.i2v.latent_size`/`explicit_size`; `frame_num` must
+    already be 4n+1 and fit the camera path. `vae` has `encode(video) -> latent` and
+    `decode(latent) -> video`, and is moved to `device` only for its own phases.
+    """
+    hooks = hooks or Hooks()
+    device = torch.device(device)
+    lat_h, lat_w, h, w = size
+    lat_f = i2v.latent_frames(frame_num)
+    try:
+        hooks.check()
+        noise = i2v.make_noise(settings.seed, lat_f, lat_h, lat_w, device)
+        mask = i2v.first_frame_mask(frame_num, lat_h, lat_w, device)
+        with hooks.in_phase("vae_encode"):
+            latent_image = vae.encode(i2v.vae_input(image, frame_num, h, w).to(device))
+        y = torch.cat([mask, latent_image.to(device)])
+        del latent_image
+        context, context_null = context.to(device), context_null.to(device)
+        cam = None if cam is None else cam.to(device)
+        latent = denoise(experts, noise, y, context, context_null, cam, settings, hooks)
+    finally:
+        release_experts()  # experts leave the device before the decode, and on any error
+    hooks.check()
+    with hooks.in_phase("vae_decode"):
+        return vae.decode(latent)

@@ -1,0 +1,434 @@
+"""Prompts -> umT5 embeddings without keeping the ~11 GB encoder around.
+
+`encode_prompts` looks every prompt up in a small on-disk cache first; a full hit never touches the
+encoder. Misses are encoded either
+- in a child Python process (mode='subprocess', the default) that loads the encoder, encodes, writes
+  only the embeddings to a safetensors file and exits, so the weights never enter the caller's memory;
+- or in this process (mode='inprocess'), which loads, encodes and then drops the model and returns
+  freed RAM and VRAM (gc, torch.cuda.empty_cache, malloc_trim).
+Both modes run the same `_encode_local`, so they return identical tensors.
+
+Each prompt is encoded alone (batch of one, padded to text_len) as upstream's i2v pipeline does, and
+comes back trimmed to its true token count: a bf16 CPU tensor [tokens, 4096].
+"""
+
+import ctypes
+import gc
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..wan.config import T5_DTYPE, TEXT_LEN
+from ..wan.t5 import encode_trimmed
+from .text_encoder import (
+    TokenizerSource,
+    UMT5Tokenizer,
+    file_identity,
+    load_text_encoder,
+    read_encoder_config,
+    resolve_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parents[1]  # the pack folder, where lingbot.py lives
+CACHE_VERSION = 1
+DEFAULT_TIMEOUT_S = 3600.0
+MODES = ("subprocess", "inprocess")
+# The child imports the pack by path (as lingbot.py does), so it needs neither the CLI nor ComfyUI.
+_CHILD_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv[1]); from lingbot import load_pack; load_pack(); "
+    "from lingbot_world.loaders.text_encode import child_main; sys.exit(child_main(sys.argv[2]))"
+)
+_REPORTED_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
+def default_cache_dir() -> Path:
+    """$LINGBOT_WORLD_CACHE/text_embeddings, else ~/.cache/lingbot_world/text_embeddings."""
+    base = os.environ.get("LINGBOT_WORLD_CACHE")
+    if base:
+        return Path(base) / "text_embeddings"
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "lingbot_world" / "text_embeddings"
+
+
+class EmbeddingCache:
+    """One safetensors file per embedding, LRU by mtime, bounded in entries and bytes.
+
+    Writes are atomic (temp file + os.replace); a missing, partial or foreign file is just a miss, so
+    the folder may be deleted at any time.
+    """
+
+    def __init__(self, root, max_entries: int = 256, max_bytes: int = 1 << 30):
+        self.root = Path(root)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+
+    @staticmethod
+    def key(**fields) -> str:
+        blob = json.dumps(fields, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        return hashlib.sha256(blob).hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}.safetensors"
+
+    def get(self, key: str, prompt: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                if (f.metadata() or {}).get("prompt") != prompt:
+                    return None
+                tensor = f.get_tensor("context")
+        except Exception:  # vanished, truncated or foreign file: a miss, and drop it
+            _unlink(path)
+            return None
+        try:
+            os.utime(path)  # mark as recently used
+        except OSError:
+            pass
+        return tensor
+
+    def put(self, key: str, prompt: str, tensor: torch.Tensor) -> None:
+        """Store atomically; a cache that cannot be written only costs a warning."""
+        from safetensors.torch import save_file
+
+        tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            save_file({"context": tensor.contiguous()}, str(tmp), metadata={"prompt": prompt})
+            os.replace(tmp, self._path(key))
+            self._evict()
+        except OSError as e:
+            warnings.warn(f"text-embedding cache {self.root} not written: {e}", stacklevel=2)
+        finally:
+            _unlink(tmp)
+
+    def _evict(self) -> None:
+        entries = []
+        for p in self.root.glob("*.safetensors"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((st.st_mtime_ns, st.st_size, p))
+        entries.sort()  # oldest first
+        total = sum(size for _, size, _ in entries)
+        while len(entries) > 1 and (len(entries) > self.max_entries or total > self.max_bytes):
+            _, size, p = entries.pop(0)
+            _unlink(p)
+            total -= size
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def encode_prompts(
+    encoder_path,
+    prompts: list[str],
+    tokenizer_path=None,
+    device="cpu",
+    mode: str = "subprocess",
+    cache_dir=None,
+    *,
+    text_len: int = TEXT_LEN,
+    use_cache: bool = True,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> list[torch.Tensor]:
+    """Embeddings [tokens, 4096] (bf16, CPU) for each prompt, in order.
+
+    encoder_path: upstream .pth or ComfyUI umT5 .safetensors; tokenizer_path: see resolve_tokenizer.
+    device: where the encoder runs ('cpu', 'cuda', 'cuda:1'). cache_dir: None = default_cache_dir().
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _check_prompts(prompts)
+    encoder_path = Path(encoder_path)
+    if not encoder_path.is_file():
+        raise FileNotFoundError(f"text encoder file not found: {encoder_path}")
+    source = resolve_tokenizer(tokenizer_path, encoder_path)
+
+    cache = EmbeddingCache(cache_dir if cache_dir is not None else default_cache_dir()) if use_cache else None
+    key_fields = dict(
+        version=CACHE_VERSION,
+        encoder=file_identity(encoder_path),
+        tokenizer=source.identity(),
+        text_len=text_len,
+        device=torch.device(device).type,
+        dtype=str(T5_DTYPE),
+    )
+    keys = {p: EmbeddingCache.key(prompt=p, **key_fields) for p in prompts}
+    found = {}
+    if cache is not None:
+        for p in keys:
+            hit = cache.get(keys[p], p)
+            if hit is not None:
+                found[p] = hit
+    todo = [p for p in dict.fromkeys(prompts) if p not in found]
+    if todo:
+        if mode == "subprocess":
+            embs, _ = encode_in_subprocess(encoder_path, todo, source, device, text_len, timeout)
+        else:
+            embs, _ = encode_in_process(encoder_path, todo, source, device, text_len)
+        for p, e in zip(todo, embs, strict=True):
+            found[p] = e
+            if cache is not None:
+                cache.put(keys[p], p, e)
+    return [found[p] for p in prompts]
+
+
+def _check_prompts(prompts) -> None:
+    if isinstance(prompts, str) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompts must be a non-empty list of strings, got {prompts!r:.200}")
+
+
+def _source(tokenizer, encoder_path) -> TokenizerSource:
+    return tokenizer if isinstance(tokenizer, TokenizerSource) else resolve_tokenizer(tokenizer, encoder_path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# In this process
+
+
+def _rss_anon() -> int:
+    """Anonymous resident memory of this process in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        try:  # give freed heap pages back to the OS
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def _encode_local(encoder_path, prompts, source: TokenizerSource, device, text_len):
+    """Load tokenizer and encoder, encode each prompt alone, free the encoder. -> (embeddings, report)."""
+    device = torch.device(device)
+    tokenizer = UMT5Tokenizer(source, text_len)
+    tokenizer.check_fits(read_encoder_config(encoder_path)["vocab"], encoder_path)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    report = dict(rss_anon_before=_rss_anon(), vram_before=torch.cuda.memory_allocated(device) if cuda else 0)
+    t0 = time.perf_counter()
+    model = load_text_encoder(encoder_path, device=device, dtype=T5_DTYPE)
+    t1 = time.perf_counter()
+    try:
+        embs = []
+        for p in prompts:
+            ids, mask = tokenizer([p])
+            (emb,) = encode_trimmed(model, ids.to(device), mask.to(device))
+            embs.append(emb.to("cpu").clone())
+        t2 = time.perf_counter()
+    finally:
+        del model
+        _release_memory(device)
+    report.update(
+        load_s=t1 - t0,
+        encode_s=t2 - t1,
+        release_s=time.perf_counter() - t2,
+        tokens=[int(e.shape[0]) for e in embs],
+        rss_anon_after=_rss_anon(),
+        device=str(device),
+    )
+    if cuda:
+        report.update(
+            vram_peak=torch.cuda.max_memory_allocated(device),
+            vram_after=torch.cuda.memory_allocated(device),
+            gpu=torch.cuda.get_device_name(device),
+        )
+    return embs, report
+
+
+def encode_in_process(encoder_path, prompts, tokenizer=None, device="cpu", text_len: int = TEXT_LEN):
+    """Encode here, then release the encoder. -> (embeddings, report dict). No cache."""
+    _check_prompts(prompts)
+    return _encode_local(encoder_path, list(prompts), _source(tokenizer, encoder_path), device, text_len)
+
+
+# ---------------------------------------------------------------------------------------------------
+# In a child process
+
+
+def _child_command(request_path: Path) -> list[str]:
+    return [sys.executable, "-c", _CHILD_BOOT, str(ROOT), str(request_path)]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no output)"
+    return "\n".join(text.strip().splitlines()[-lines:]) or "(no output)"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def encode_in_subprocess(
+    encoder_path,
+    prompts,
+    tokenizer=None,
+    device="cpu",
+    text_len: int = TEXT_LEN,
+    timeout: float = DEFAULT_TIMEOUT_S,
+):
+    """Encode in a child Python that exits afterwards. -> (embeddings, the child's report). No cache.
+
+    A child that fails, is killed, times out or writes nothing raises here with its exit status and its
+    last output lines; an interrupt (KeyboardInterrupt) here stops the child. Temp files are removed.
+    """
+    from safetensors import safe_open
+
+    _check_prompts(prompts)
+    source = _source(tokenizer, encoder_path)
+    work = Path(tempfile.mkdtemp(prefix="lingbot_t5_"))
+    try:
+        out, err, log_path = work / "embeddings.safetensors", work / "error.json", work / "child.log"
+        request = dict(
+            encoder_path=str(Path(encoder_path).resolve()),
+            tokenizer=dict(kind=source.kind, path=str(source.path)),
+            prompts=list(prompts),
+            device=str(device),
+            text_len=text_len,
+            output=str(out),
+            error=str(err),
+            parent_pid=os.getpid(),
+        )
+        (work / "request.json").write_text(json.dumps(request, ensure_ascii=False), encoding="utf-8")
+        with open(log_path, "wb") as log:
+            # cwd = the temp folder: `python -c` puts cwd on sys.path, and ComfyUI's own folder there
+            # would let the pack's __init__ import ComfyUI into the child.
+            proc = subprocess.Popen(
+                _child_command(work / "request.json"),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=work,
+            )
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _stop(proc)
+                raise TimeoutError(
+                    f"text-encoder subprocess did not finish within {timeout:g} s and was stopped; "
+                    f"its last output:\n{_tail(log_path)}"
+                ) from None
+            except BaseException:  # KeyboardInterrupt and the like: never leave the child running
+                _stop(proc)
+                raise
+        if rc != 0:
+            if err.is_file():
+                info = json.loads(err.read_text(encoding="utf-8"))
+                exc = _REPORTED_ERRORS.get(info.get("type"))
+                if exc is not None:
+                    raise exc(info["message"])
+            if rc < 0:
+                name = signal.Signals(-rc).name if -rc in signal.valid_signals() else "?"
+                status = f"was killed by signal {-rc} ({name})"
+                if -rc == getattr(signal, "SIGKILL", None):
+                    status += ", e.g. by the out-of-memory killer"
+            else:
+                status = f"exited with status {rc}"
+            raise RuntimeError(f"text-encoder subprocess {status}; its last output:\n{_tail(log_path)}")
+        if not out.is_file():
+            raise RuntimeError(
+                f"text-encoder subprocess exited with status 0 but wrote no embeddings ({out}); "
+                f"its last output:\n{_tail(log_path)}"
+            )
+        with safe_open(str(out), framework="pt", device="cpu") as f:
+            report = json.loads((f.metadata() or {}).get("report", "{}"))
+            embs = [f.get_tensor(f"emb_{i}") for i in range(len(prompts))]
+        return embs, report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the parent goes away, so an abandoned child never keeps the weights in memory."""
+    import psutil
+
+    def loop():
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
+                os._exit(70)
+
+    threading.Thread(target=loop, daemon=True, name="parent-watch").start()
+
+
+def _peak_rss() -> int:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def child_main(request_path) -> int:
+    """Entry of the encoding child (`lingbot.py _encode-text <request.json>`): 0 on success."""
+    from safetensors.torch import save_file
+
+    request = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    _watch_parent(int(request["parent_pid"]))
+    try:
+        source = TokenizerSource(request["tokenizer"]["kind"], Path(request["tokenizer"]["path"]))
+        embs, report = _encode_local(
+            request["encoder_path"], request["prompts"], source, request["device"], int(request["text_len"])
+        )
+        report["child_peak_rss"] = _peak_rss()
+        out = Path(request["output"])
+        tmp = out.with_suffix(".tmp")
+        tensors = {f"emb_{i}": e.contiguous() for i, e in enumerate(embs)}
+        save_file(tensors, str(tmp), metadata={"report": json.dumps(report)})
+        os.replace(tmp, out)
+        return 0
+    except Exception as e:
+        traceback.print_exc()
+        try:
+            Path(request["error"]).write_text(
+                json.dumps(dict(type=type(e).__name__, message=str(e)), ensure_ascii=False), encoding="utf-8"
+            )
+        except OSError:
+            pass
+        return 1

@@ -1,0 +1,306 @@
+"""Self-freeing prompt encoding: subprocess vs in-process, cache, child failures, parent memory."""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from lingbot_world.loaders import text_encode as tx
+from lingbot_world.loaders import text_encoder as te
+from t5_fixtures import (
+    TINY,
+    spiece_model_bytes,
+    upstream_state_dict,
+    write_hf_safetensors,
+    write_pth,
+    write_tokenizer_json,
+)
+
+TEXT_LEN = 48
+PROMPTS = ["The wind whips past the castle.", "Low quality, blurry, static frames."]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Upstream layout: .pth with a tokenizer/ folder beside it (the NF4 repo's layout)."""
+    d = tmp_path_factory.mktemp("enc")
+    write_tokenizer_json(d / "tokenizer")
+    return write_pth(d / "models_t5_umt5-xxl-enc-bf16.pth", upstream_state_dict(TINY, seed=3))
+
+
+@pytest.fixture(scope="module")
+def comfy_ckpt(tmp_path_factory):
+    """ComfyUI layout with its embedded sentencepiece tokenizer."""
+    d = tmp_path_factory.mktemp("comfy")
+    sd = upstream_state_dict(TINY, seed=3)
+    return write_hf_safetensors(d / "umt5_xxl_fp16.safetensors", sd, spiece=spiece_model_bytes())
+
+
+def _encode(path, mode, tmp_path, **kw):
+    return tx.encode_prompts(path, PROMPTS, mode=mode, cache_dir=tmp_path / "cache", text_len=TEXT_LEN, **kw)
+
+
+@pytest.mark.parametrize("which", ["ckpt", "comfy_ckpt"])
+def test_subprocess_and_inprocess_give_identical_trimmed_embeddings(which, request, tmp_path, monkeypatch):
+    path = request.getfixturevalue(which)
+    # Run from a ComfyUI-like folder: the child must not pick up its `comfy` package from the cwd.
+    fake_comfy = tmp_path / "ComfyUI"
+    (fake_comfy / "comfy").mkdir(parents=True)
+    (fake_comfy / "comfy" / "__init__.py").write_text("")
+    (fake_comfy / "comfy" / "model_management.py").write_text(
+        "raise SystemExit('ComfyUI imported in the child')"
+    )
+    monkeypatch.chdir(fake_comfy)
+    sub = _encode(path, "subprocess", tmp_path / "a")
+    inp = _encode(path, "inprocess", tmp_path / "b")
+    tok = te.load_tokenizer(None, path, text_len=TEXT_LEN)
+    model = te.load_text_encoder(path)
+    for p, a, b in zip(PROMPTS, sub, inp, strict=True):
+        n = len(tok.encode(p))
+        assert 2 < n < TEXT_LEN
+        assert a.shape == (n, TINY["dim"]) and a.dtype == torch.bfloat16 and a.device.type == "cpu"
+        assert torch.equal(a, b)
+        # the rows are the encoder's output at the true tokens of the 48-token padded run
+        ids, mask = tok([p])
+        with torch.no_grad():
+            full = model(ids, mask)[0]
+        assert torch.equal(a, full[:n])
+    assert not torch.equal(sub[0][:2], sub[1][:2])
+
+
+def test_cache_hit_never_loads_the_encoder(ckpt, tmp_path, monkeypatch):
+    first = _encode(ckpt, "subprocess", tmp_path)
+    files = sorted((tmp_path / "cache").glob("*.safetensors"))
+    assert len(files) == 2 and not list((tmp_path / "cache").glob("*.tmp"))
+
+    def forbidden(*a, **k):
+        raise AssertionError("the encoder was loaded on a cache hit")
+
+    monkeypatch.setattr(tx.subprocess, "Popen", forbidden)
+    monkeypatch.setattr(tx, "load_text_encoder", forbidden)
+    for mode in tx.MODES:
+        again = _encode(ckpt, mode, tmp_path)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_cache_encodes_only_misses_and_keys_on_file_identity(ckpt, tmp_path, monkeypatch):
+    loads = []
+    real = tx.load_text_encoder
+    monkeypatch.setattr(tx, "load_text_encoder", lambda *a, **k: loads.append(1) or real(*a, **k))
+    _encode(ckpt, "inprocess", tmp_path)
+    assert len(loads) == 1
+    out = tx.encode_prompts(
+        ckpt,
+        [PROMPTS[1], "A new prompt", PROMPTS[1]],
+        mode="inprocess",
+        cache_dir=tmp_path / "cache",
+        text_len=TEXT_LEN,
+    )
+    assert len(loads) == 2 and torch.equal(out[0], out[2])
+    assert len(list((tmp_path / "cache").glob("*.safetensors"))) == 3
+    # a changed encoder file (new mtime) must not reuse old embeddings
+    st = ckpt.stat()
+    os.utime(ckpt, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    _encode(ckpt, "inprocess", tmp_path)
+    assert len(loads) == 3
+    # other text_len -> other key
+    tx.encode_prompts(
+        ckpt, PROMPTS[:1], mode="inprocess", cache_dir=tmp_path / "cache", text_len=TEXT_LEN + 1
+    )
+    assert len(loads) == 4
+    # use_cache=False always encodes
+    tx.encode_prompts(ckpt, PROMPTS[:1], mode="inprocess", text_len=TEXT_LEN, use_cache=False)
+    assert len(loads) == 5
+
+
+def test_cache_is_bounded_lru_and_survives_damage(tmp_path):
+    cache = tx.EmbeddingCache(tmp_path, max_entries=2, max_bytes=1 << 20)
+    t = [torch.full((3, 4), float(i), dtype=torch.bfloat16) for i in range(3)]
+    cache.put("k0", "p0", t[0])
+    time.sleep(0.01)
+    cache.put("k1", "p1", t[1])
+    time.sleep(0.01)
+    assert torch.equal(cache.get("k0", "p0"), t[0])  # touch k0: k1 is now least recently used
+    time.sleep(0.01)
+    cache.put("k2", "p2", t[2])
+    assert cache.get("k1", "p1") is None
+    assert torch.equal(cache.get("k0", "p0"), t[0]) and torch.equal(cache.get("k2", "p2"), t[2])
+    assert cache.get("k0", "another prompt") is None  # metadata must match the prompt
+    (tmp_path / "k2.safetensors").write_bytes(b"\x00truncated")
+    assert cache.get("k2", "p2") is None and not (tmp_path / "k2.safetensors").exists()
+    small = tx.EmbeddingCache(tmp_path / "small", max_entries=100, max_bytes=300)
+    for i in range(3):
+        small.put(f"s{i}", "p", torch.zeros(8, 8, dtype=torch.bfloat16))  # ~200 B each
+    assert len(list((tmp_path / "small").glob("*.safetensors"))) == 1
+    import shutil
+
+    shutil.rmtree(tmp_path)
+    assert cache.get("k0", "p0") is None  # deleting the cache folder is safe
+
+
+def test_bad_inputs(ckpt, tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.pth"):
+        tx.encode_prompts(tmp_path / "missing.pth", PROMPTS, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tx.encode_prompts(ckpt, PROMPTS, mode="thread", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="non-empty list of strings"):
+        tx.encode_prompts(ckpt, "a bare string", cache_dir=tmp_path)
+    lonely = write_pth(tmp_path / "lonely.pth", upstream_state_dict(TINY))
+    with pytest.raises(FileNotFoundError, match="no umT5 tokenizer found"):
+        tx.encode_prompts(lonely, PROMPTS, cache_dir=tmp_path)
+
+
+def test_tokenizer_too_big_for_encoder_fails_in_the_child_with_its_own_error(tmp_path):
+    small = dict(TINY, vocab=40)  # the tokenizer below has ~120 tokens
+    write_tokenizer_json(tmp_path / "tokenizer")
+    enc = write_pth(tmp_path / "enc.pth", upstream_state_dict(small))
+    for mode in tx.MODES:
+        with pytest.raises(ValueError, match=r"tokens but the text encoder .*enc\.pth embeds only 40"):
+            tx.encode_prompts(enc, PROMPTS, mode=mode, cache_dir=tmp_path / "cache", text_len=TEXT_LEN)
+
+
+def test_broken_checkpoint_error_comes_back_from_the_child(tmp_path):
+    write_tokenizer_json(tmp_path / "tokenizer")
+    bad = tmp_path / "broken.pth"
+    bad.write_bytes(b"\x00" * 64)
+    with pytest.raises(ValueError, match=r"broken\.pth: could not read it as a torch state dict"):
+        tx.encode_prompts(bad, PROMPTS, cache_dir=tmp_path / "cache", text_len=TEXT_LEN)
+
+
+def _fake_child(monkeypatch, code: str):
+    monkeypatch.setattr(tx, "_child_command", lambda request: [sys.executable, "-c", code, str(request)])
+
+
+def test_child_nonzero_exit_is_reported_with_its_output(ckpt, tmp_path, monkeypatch):
+    _fake_child(
+        monkeypatch, "import sys; print('loading...'); sys.stderr.write('CUDA exploded\\n'); sys.exit(3)"
+    )
+    with pytest.raises(RuntimeError, match=r"exited with status 3(.|\n)*CUDA exploded"):
+        _encode(ckpt, "subprocess", tmp_path)
+
+
+def test_child_without_output_is_an_error(ckpt, tmp_path, monkeypatch):
+    _fake_child(monkeypatch, "print('all good, honest')")
+    with pytest.raises(RuntimeError, match=r"status 0 but wrote no embeddings(.|\n)*all good, honest"):
+        _encode(ckpt, "subprocess", tmp_path)
+
+
+def test_child_timeout_kills_it(ckpt, tmp_path, monkeypatch):
+    _fake_child(monkeypatch, "import time; print('stuck', flush=True); time.sleep(60)")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not finish within 1 s(.|\n)*stuck"):
+        _encode(ckpt, "subprocess", tmp_path, timeout=1)
+    assert time.monotonic() - t0 < 15
+    assert not psutil.Process().children()
+
+
+def _run_and_catch(fn):
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    th = threading.Thread(target=target)
+    th.start()
+    return th, box
+
+
+def _wait_for_child(timeout=30.0) -> psutil.Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = psutil.Process().children()
+        if kids:
+            return kids[0]
+        time.sleep(0.02)
+    raise AssertionError("no child process appeared")
+
+
+def test_killed_child_gives_a_clear_error(ckpt, tmp_path):
+    th, box = _run_and_catch(lambda: _encode(ckpt, "subprocess", tmp_path))
+    _wait_for_child().send_signal(signal.SIGKILL)
+    th.join(60)
+    assert not th.is_alive()
+    err = box.get("error")
+    assert isinstance(err, RuntimeError) and "killed by signal 9 (SIGKILL)" in str(err), box
+    assert not list((tmp_path / "cache").glob("*.safetensors"))
+
+
+def test_interrupt_stops_the_child_and_cleans_up(ckpt, tmp_path, monkeypatch):
+    _fake_child(monkeypatch, "import time; time.sleep(60)")
+    seen = {}
+
+    def interrupt():
+        child = _wait_for_child()
+        seen["request"] = Path(child.cmdline()[-1])
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        tx.encode_in_subprocess(ckpt, PROMPTS, None, text_len=TEXT_LEN)
+    assert not psutil.Process().children()
+    assert seen["request"].name == "request.json" and not seen["request"].parent.exists()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def _peak_rss_anon_during(fn):
+    peak, stop = [_rss_anon()], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak.append(_rss_anon())
+            time.sleep(0.005)
+
+    th = threading.Thread(target=sample)
+    th.start()
+    try:
+        out = fn()
+    finally:
+        stop.set()
+        th.join()
+    return out, max(peak)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc RssAnon")
+def test_parent_memory_does_not_hold_the_weights(tmp_path):
+    """A ~270 MB fp16 checkpoint: the subprocess leaves the parent's anonymous RSS flat; the in-process
+    control shows the same measurement does see the weights, and that they are given back."""
+    big = dict(vocab=65536, dim=2048, dim_attn=64, dim_ffn=64, num_heads=4, num_layers=1, num_buckets=32)
+    path = write_hf_safetensors(
+        tmp_path / "umt5_big_fp16.safetensors",
+        upstream_state_dict(big, seed=4),
+        spiece=spiece_model_bytes(),
+        dtype=torch.float16,
+    )
+    size = path.stat().st_size
+    assert size > 250e6
+    import gc
+
+    gc.collect()
+    base = _rss_anon()
+    embs, peak_sub = _peak_rss_anon_during(
+        lambda: tx.encode_in_subprocess(path, PROMPTS, None, text_len=TEXT_LEN)[0]
+    )
+    assert embs[0].shape[1] == 2048
+    assert peak_sub - base < 0.2 * size, (peak_sub - base, size)
+
+    gc.collect()
+    base = _rss_anon()
+    (embs_in, report), peak_in = _peak_rss_anon_during(
+        lambda: tx.encode_in_process(path, PROMPTS, None, text_len=TEXT_LEN)
+    )
+    assert peak_in - base > 0.8 * size  # bf16 copies of the fp16 file did live here
+    assert _rss_anon() - base < 0.2 * size  # ... and were released
+    assert report["rss_anon_after"] - report["rss_anon_before"] < 0.2 * size
+    assert all(torch.equal(a, b) for a, b in zip(embs, embs_in, strict=True))

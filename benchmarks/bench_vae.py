@@ -1,0 +1,236 @@
+"""Benchmark: Wan2.1 VAE decode/encode time and peak VRAM, untiled vs tiled, ours vs upstream chunking.
+
+Writes a random full-size Wan2.1 VAE (126.9M params, fp32 like upstream) to --workdir as
+`Wan2.1_VAE.pth` and loads it through loaders/vae.py (or loads a real checkpoint given with --vae,
+which also makes the tiled-vs-untiled error meaningful: random weights have no spatial decay).
+
+Cases (full scale; latents are random normal, i.e. normalised-latent statistics):
+- decode 480x832x81 (latent 21x60x104) and 720x1280x81 (21x90x160), each
+  - `untiled`: whole frame, our default sub-chunking (chunk_frames=2 after temporal upsampling);
+  - `untiled_c4`: the baseline, upstream's temporal chunking (4 output frames per step, no sub-chunks);
+  - `tiled`: a 2x2 tile grid with the default overlap (16 latent px), blended;
+- decode 720p with tile='auto' under a 24 GiB cap (torch.cuda.set_per_process_memory_fraction),
+  reporting the tile it picked;
+- encode of an 81-frame 480x832 input: the shipped example image, then 80 zero frames (as i2v does).
+For each: wall time, peak allocated VRAM above what was held before (torch.cuda.max_memory_allocated),
+peak reserved, the analytic estimate `decode_bytes_per_latent_pixel * tile area + output` and the
+measured bytes per latent pixel, so AUTO_SAFETY in wan/vae.py can be checked. Tiled outputs are
+compared with the untiled one (max / mean abs difference).
+
+    python benchmarks/bench_vae.py --scale tiny --workdir /tmp/bench_vae          # CPU, seconds
+    python benchmarks/bench_vae.py --scale full --workdir /tmp/bench_vae           # CUDA, ~5 min H100
+    python benchmarks/bench_vae.py --scale full --workdir /tmp/bench_vae --vae /models/Wan2.1_VAE.pth
+
+Prints one JSON line at the end.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from lingbot import load_pack  # noqa: E402
+
+load_pack()
+from lingbot_world.loaders.vae import load_vae  # noqa: E402
+from lingbot_world.wan import vae as V  # noqa: E402
+
+GIB = 2**30
+SCALES = {
+    "full": dict(config=V.WAN21_VAE_CONFIG, frames=81, sizes={"480p": (480, 832), "720p": (720, 1280)}),
+    # CPU-sized: same structure, 4 channels wide, 9 frames, small frames
+    "tiny": dict(
+        config=dict(V.WAN21_VAE_CONFIG, dim=4), frames=9, sizes={"480p": (48, 80), "720p": (64, 112)}
+    ),
+}
+CAP_BYTES = 24 * GIB
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(device, fn):
+    """(result, seconds, peak allocated above the start, peak reserved) of fn()."""
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    dt = time.perf_counter() - t0
+    if device.type != "cuda":
+        return out, dt, None, None
+    return out, dt, torch.cuda.max_memory_allocated(device) - base, torch.cuda.max_memory_reserved(device)
+
+
+def gib(x):
+    return None if x is None else round(x / GIB, 3)
+
+
+def first_frame(height, width, device):
+    """The shipped example image resized as upstream does (bicubic to the target size), in [-1, 1]."""
+    image = ROOT / "examples" / "00" / "image.jpg"
+    try:
+        import numpy as np
+        from PIL import Image
+
+        img = torch.from_numpy(np.array(Image.open(image).convert("RGB"))).permute(2, 0, 1).float()
+        img = img.div(127.5).sub(1)[None]
+        return torch.nn.functional.interpolate(img, size=(height, width), mode="bicubic")[0].to(device)
+    except (OSError, ImportError):
+        return (
+            torch.rand(3, height, width, generator=torch.Generator().manual_seed(0)).mul(2).sub(1).to(device)
+        )
+
+
+def get_vae(args, scale, device):
+    if args.vae:
+        path = Path(args.vae)
+    else:
+        path = Path(args.workdir) / f"Wan2.1_VAE_random_{args.scale}.pth"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            model = V.init_random_(V.WanVAE(**scale["config"]), seed=0)
+            torch.save(model.state_dict(), path)
+            del model
+    t0 = time.perf_counter()
+    vae = load_vae(path, device=device, dtype=torch.float32, config=None if args.vae else scale["config"])
+    sync(device)
+    return vae, path, time.perf_counter() - t0
+
+
+def bench_decode(vae, size, scale, overlap, device, record, baseline):
+    frames = scale["frames"]
+    height, width = scale["sizes"][size]
+    h, w = height // 8, width // 8
+    z = torch.randn(16, (frames - 1) // 4 + 1, h, w, generator=torch.Generator().manual_seed(1)).to(device)
+    out_bytes = 3 * frames * height * width * 4
+
+    def est(th, tw, chunk=2):
+        return gib(vae.decode_bytes_per_latent_pixel(chunk) * th * tw + out_bytes)
+
+    ref, dt, peak, res = measure(device, lambda: vae.decode(z))
+    per_px = None if peak is None else round((peak - out_bytes) / (h * w))
+    record(f"decode_{size}_untiled", dt, peak, res, est_gib=est(h, w), measured_bytes_per_latent_px=per_px)
+
+    if baseline:
+        _, dt, peak, res = measure(device, lambda: vae.decode(z, chunk_frames=4))
+        record(f"decode_{size}_untiled_c4", dt, peak, res, est_gib=est(h, w, 4))
+
+    tile = (math.ceil((h + overlap) / 2), math.ceil((w + overlap) / 2))  # 2x2 grid
+    out, dt, peak, res = measure(device, lambda: vae.decode(z, tile=tile, overlap=overlap))
+    diff = (out - ref).abs()
+    record(
+        f"decode_{size}_tiled",
+        dt,
+        peak,
+        res,
+        tile=list(tile),
+        est_gib=est(*tile),
+        max_abs_diff_vs_untiled=round(diff.max().item(), 5),
+        mean_abs_diff_vs_untiled=round(diff.mean().item(), 6),
+    )
+    del out, diff
+
+    if size == "720p" and device.type == "cuda":
+        # What 'auto' does on a 24 GiB card: the cap makes free_vram() see at most 24 GiB.
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total), device)
+        name = "decode_720p_auto_24gib_cap"
+        try:
+            budget = V.free_vram(device) - out_bytes
+            picked = V.pick_tile(vae, h, w, budget, overlap)
+            out, dt, peak, res = measure(device, lambda: vae.decode(z, tile="auto", overlap=overlap))
+            diff = (out - ref).abs().max().item()
+            record(
+                name,
+                dt,
+                peak,
+                res,
+                tile=picked and list(picked),
+                budget_gib=gib(budget),
+                max_abs_diff_vs_untiled=round(diff, 5),
+            )
+        except torch.cuda.OutOfMemoryError as e:
+            record(name, float("nan"), None, None, oom=str(e).splitlines()[0])
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
+    ap.add_argument("--workdir", default="/tmp/bench_vae")
+    ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    ap.add_argument(
+        "--vae",
+        default=None,
+        help="a real Wan2.1_VAE.pth / wan_2.1_vae.safetensors instead of random weights",
+    )
+    ap.add_argument("--sizes", default="480p,720p", help="comma list of 480p,720p")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the untiled_c4 (upstream chunking) runs")
+    ap.add_argument("--cudnn-benchmark", action="store_true")
+    args = ap.parse_args(argv)
+    scale = SCALES[args.scale]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    torch.set_grad_enabled(False)
+
+    vae, path, load_s = get_vae(args, scale, device)
+    overlap = V.DEFAULT_OVERLAP if args.scale == "full" else 2
+    frames = scale["frames"]
+    summary = {
+        "scale": args.scale,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "weights": str(path) if args.vae else "random",
+        "load_s": round(load_s, 2),
+        "weights_gib": gib(sum(p.numel() * p.element_size() for p in vae.parameters())),
+        "cudnn_benchmark": args.cudnn_benchmark,
+        "overlap": overlap,
+        "est_bytes_per_latent_px": vae.decode_bytes_per_latent_pixel(2),
+        "cases": {},
+    }
+    # What tile='auto' picks for 720p (90x160 latent) when this much VRAM is free for the decode
+    # (the fp32 output video, 0.84 GiB at 81 frames, is subtracted as decode() does).
+    h, w = (s // 8 for s in scale["sizes"]["720p"])
+    out_bytes = 3 * frames * h * w * 64 * 4
+    summary["auto_tile_720p_by_free_gib"] = {
+        str(g): V.pick_tile(vae, h, w, int(g * GIB) - out_bytes, overlap) for g in (6, 8, 12, 16, 24)
+    }
+    vae.decode(torch.randn(16, 2, 4, 4, device=device))  # warm-up: kernels, cuDNN heuristics
+
+    def record(name, dt, peak, reserved, **extra):
+        row = {
+            "time_s": round(dt, 2),
+            "peak_alloc_gib": gib(peak),
+            "peak_reserved_gib": gib(reserved),
+            **extra,
+        }
+        summary["cases"][name] = row
+        print(name, json.dumps(row), flush=True)
+
+    for size in args.sizes.split(","):
+        bench_decode(vae, size, scale, overlap, device, record, not args.no_baseline)
+
+    height, width = scale["sizes"]["480p"]
+    video = torch.zeros(3, frames, height, width, device=device)
+    video[:, 0] = first_frame(height, width, device)
+    latent, dt, peak, res = measure(device, lambda: vae.encode(video))
+    record("encode_480p", dt, peak, res, latent_shape=list(latent.shape))
+
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

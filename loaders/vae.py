@@ -1,0 +1,114 @@
+"""Wan2.1 VAE checkpoint -> ready `WanVAE`: upstream `Wan2.1_VAE.pth` or ComfyUI's `wan_2.1_vae.safetensors`.
+
+Both files use upstream's key names (ComfyUI's Wan VAE keeps them); ComfyUI's copy is bf16, upstream's
+fp32. The model is built on the meta device and its parameters are assigned straight from the file
+(mmap for .pth), so no dense init or second copy is made. Every key and shape is checked before
+anything is read, and other VAEs (Wan2.2's z=48 one, the diffusers layout) are named as such.
+"""
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..wan.vae import WAN21_VAE_CONFIG, WanVAE
+
+MARKER = "decoder.middle.0.residual.0.gamma"  # present in every Wan-family VAE in upstream layout
+WAN22_MARKER = "decoder.upsamples.0.upsamples.0.residual.2.weight"  # Wan2.2 VAE's nested up blocks
+TORCH_SUFFIXES = (".pth", ".pt", ".ckpt", ".bin")
+
+
+class _Checkpoint:
+    """Tensor names, shapes and (lazily) tensors of a .safetensors or weights-only torch file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        if path.suffix == ".safetensors":
+            try:
+                self._st = safe_open(str(path), framework="pt", device="cpu")
+                self.shapes = {k: tuple(self._st.get_slice(k).get_shape()) for k in self._st.keys()}
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{path} is not a readable .safetensors file: {e}") from e
+        elif path.suffix in TORCH_SUFFIXES:
+            self._sd = _torch_load(path)
+            self.shapes = {k: tuple(v.shape) for k, v in self._sd.items()}
+        else:
+            raise ValueError(
+                f"{path}: unsupported VAE file type {path.suffix!r} (expected .safetensors or .pth)"
+            )
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._st.get_tensor(name) if hasattr(self, "_st") else self._sd[name]
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            sd = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+    except Exception as e:
+        raise ValueError(f"{path} could not be read as a weights-only torch checkpoint: {e}") from e
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise ValueError(f"{path} does not hold a flat state dict of tensors (got {type(sd).__name__})")
+    return sd
+
+
+def _list(names, limit: int = 10) -> str:
+    names = sorted(names)
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _identify(path: Path, shapes: dict) -> str:
+    """Key prefix of the Wan2.1 VAE inside the file ('' for a plain VAE file); raises for anything else."""
+    hits = [k for k in shapes if k.endswith(MARKER)]
+    if not hits:
+        if "decoder.conv_in.weight" in shapes or any(k.endswith("decoder.conv_in.weight") for k in shapes):
+            raise ValueError(
+                f"{path} uses the diffusers (AutoencoderKL*) layout, not the Wan2.1 VAE's upstream layout; "
+                "use Wan2.1_VAE.pth or ComfyUI's wan_2.1_vae.safetensors"
+            )
+        raise ValueError(
+            f"{path} is not a Wan VAE checkpoint (no '{MARKER}'); its keys start: {_list(shapes, 5)}"
+        )
+    prefix = min(hits, key=len)[: -len(MARKER)]
+    z = shapes.get(prefix + "conv2.weight", (None,))[0]
+    if prefix + WAN22_MARKER in shapes or z == 48:
+        raise ValueError(
+            f"{path} is a Wan2.2 VAE (z_dim 48, 16x spatial compression); LingBot-World needs the "
+            "Wan2.1 VAE (z_dim 16): Wan2.1_VAE.pth or wan_2.1_vae.safetensors"
+        )
+    return prefix
+
+
+def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dict | None = None) -> WanVAE:
+    """Load a Wan2.1 VAE onto `device` in `dtype` (upstream runs fp32). `config` = WanVAE kwargs
+    (default: upstream Wan2.1_VAE.pth's; tests pass tiny ones)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Wan2.1 VAE checkpoint not found: {path}")
+    ckpt = _Checkpoint(path)
+    prefix = _identify(path, ckpt.shapes)
+    found = {k[len(prefix) :]: s for k, s in ckpt.shapes.items() if k.startswith(prefix)}
+
+    with torch.device("meta"):
+        model = WanVAE(**(config or WAN21_VAE_CONFIG))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} does not match the Wan2.1 VAE: {len(missing)} missing keys [{_list(missing)}], "
+            f"{len(unexpected)} unexpected keys [{_list(unexpected)}]"
+        )
+    for k, shape in expected.items():
+        if found[k] != shape:
+            raise ValueError(
+                f"{path}: tensor '{prefix}{k}' has shape {list(found[k])}, expected {list(shape)}"
+            )
+
+    state = {k: ckpt.tensor(prefix + k).to(device=device, dtype=dtype) for k in expected}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval().requires_grad_(False)

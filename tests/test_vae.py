@@ -1,0 +1,283 @@
+"""Wan2.1 VAE: upstream names/shapes, streaming encode/decode, tiling, loading, bad input (CPU, tiny)."""
+
+import pytest
+import torch
+from lingbot_world.loaders.vae import load_vae
+from lingbot_world.wan import vae as V
+from safetensors.torch import save_file
+
+TINY = dict(
+    dim=4,
+    z_dim=16,
+    dim_mult=(1, 2, 4, 4),
+    num_res_blocks=2,
+    attn_scales=(),
+    temperal_downsample=(False, True, True),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return V.init_random_(V.WanVAE(**TINY).eval(), 7)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# --- structure -------------------------------------------------------------------------------------
+
+# Derived by reading upstream vae2_1.py (_video_vae: dim 96, z 16, dim_mult [1,2,4,4], 2 res blocks,
+# temperal_downsample [False, True, True]); Sequential indices count the parameter-free layers too.
+UPSTREAM_SHAPES = {
+    "encoder.conv1.weight": [96, 3, 3, 3, 3],
+    "encoder.conv1.bias": [96],
+    "encoder.downsamples.0.residual.0.gamma": [96, 1, 1, 1],
+    "encoder.downsamples.0.residual.2.weight": [96, 96, 3, 3, 3],
+    "encoder.downsamples.0.residual.3.gamma": [96, 1, 1, 1],
+    "encoder.downsamples.0.residual.6.weight": [96, 96, 3, 3, 3],
+    "encoder.downsamples.2.resample.1.weight": [96, 96, 3, 3],
+    "encoder.downsamples.3.residual.2.weight": [192, 96, 3, 3, 3],
+    "encoder.downsamples.3.shortcut.weight": [192, 96, 1, 1, 1],
+    "encoder.downsamples.5.resample.1.weight": [192, 192, 3, 3],
+    "encoder.downsamples.5.time_conv.weight": [192, 192, 3, 1, 1],
+    "encoder.downsamples.6.shortcut.weight": [384, 192, 1, 1, 1],
+    "encoder.downsamples.8.time_conv.weight": [384, 384, 3, 1, 1],
+    "encoder.downsamples.10.residual.6.weight": [384, 384, 3, 3, 3],
+    "encoder.middle.1.norm.gamma": [384, 1, 1],
+    "encoder.middle.1.to_qkv.weight": [1152, 384, 1, 1],
+    "encoder.middle.1.proj.weight": [384, 384, 1, 1],
+    "encoder.head.0.gamma": [384, 1, 1, 1],
+    "encoder.head.2.weight": [32, 384, 3, 3, 3],
+    "conv1.weight": [32, 32, 1, 1, 1],
+    "conv2.weight": [16, 16, 1, 1, 1],
+    "conv2.bias": [16],
+    "decoder.conv1.weight": [384, 16, 3, 3, 3],
+    "decoder.middle.0.residual.0.gamma": [384, 1, 1, 1],
+    "decoder.middle.2.residual.6.weight": [384, 384, 3, 3, 3],
+    "decoder.upsamples.3.time_conv.weight": [768, 384, 3, 1, 1],
+    "decoder.upsamples.3.resample.1.weight": [192, 384, 3, 3],
+    "decoder.upsamples.4.residual.2.weight": [384, 192, 3, 3, 3],
+    "decoder.upsamples.4.shortcut.weight": [384, 192, 1, 1, 1],
+    "decoder.upsamples.7.time_conv.weight": [768, 384, 3, 1, 1],
+    "decoder.upsamples.7.resample.1.weight": [192, 384, 3, 3],
+    "decoder.upsamples.8.residual.2.weight": [192, 192, 3, 3, 3],
+    "decoder.upsamples.11.resample.1.weight": [96, 192, 3, 3],
+    "decoder.upsamples.11.resample.1.bias": [96],
+    "decoder.upsamples.14.residual.6.weight": [96, 96, 3, 3, 3],
+    "decoder.head.0.gamma": [96, 1, 1, 1],
+    "decoder.head.2.weight": [3, 96, 3, 3, 3],
+    "decoder.head.2.bias": [3],
+}
+
+
+def test_full_size_names_match_upstream():
+    with torch.device("meta"):
+        model = V.WanVAE()
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert {k: shapes.get(k) for k in UPSTREAM_SHAPES} == UPSTREAM_SHAPES
+    # upsample2d / downsample2d have no time_conv, equal-width blocks no shortcut
+    for absent in (
+        "encoder.downsamples.2.time_conv.weight",
+        "decoder.upsamples.11.time_conv.weight",
+        "decoder.upsamples.8.shortcut.weight",
+    ):
+        assert absent not in shapes
+    assert len(shapes) == 194
+    assert sum(p.numel() for p in model.parameters()) == 126_892_531  # ~485 MiB in fp32, as the .pth
+
+
+# --- numerics --------------------------------------------------------------------------------------
+
+
+def test_matches_upstream_golden_values(tiny):
+    # Produced by upstream vae2_1.py (WanVAE_.encode/decode with Wan2_1_VAE's scale, clamp) loaded with
+    # the same init_random_(seed 7) weights; fp32, so only accumulation order may differ.
+    g = _gen(3)
+    video = torch.rand(3, 9, 16, 24, generator=g) * 2 - 1
+    latent = torch.randn(16, 3, 2, 3, generator=g)
+    z = tiny.encode(video)
+    assert z.shape == (16, 3, 2, 3) and z.dtype == torch.float32
+    want_z = [0.17984551, 0.62681407, 0.33435863, 1.65678942, -0.48397231]
+    torch.testing.assert_close(z.flatten()[[0, 37, 211, 250, 95]], torch.tensor(want_z), atol=1e-4, rtol=0)
+    x = tiny.decode(latent)
+    assert x.shape == (3, 9, 16, 24)
+    want_x = [0.11505668, 0.11418362, -0.43945807, -0.33766598, 0.57015860]
+    torch.testing.assert_close(
+        x.flatten()[[0, 1234, 5000, 7777, 10001]], torch.tensor(want_x), atol=1e-4, rtol=0
+    )
+    assert abs(x.abs().mean().item() - 0.30209562) < 1e-4
+
+
+@pytest.mark.parametrize("frames", [1, 5, 9, 17])
+def test_roundtrip_shapes(tiny, frames):
+    video = torch.rand(3, frames, 16, 16, generator=_gen(frames)) * 2 - 1
+    z = tiny.encode(video)
+    assert z.shape == (16, (frames - 1) // 4 + 1, 2, 2)
+    out = tiny.decode(z)
+    assert out.shape == (3, frames, 16, 16) and out.dtype == torch.float32
+    assert torch.isfinite(out).all() and out.abs().max() <= 1
+
+
+def test_streaming_is_causal_and_chunking_exact(tiny):
+    # The caches make chunked processing one causal stream: a prefix of the input gives a prefix of
+    # the output, and the sub-chunk size after temporal upsampling changes nothing.
+    video = torch.rand(3, 9, 16, 16, generator=_gen(1)) * 2 - 1
+    torch.testing.assert_close(tiny.encode(video[:, :5]), tiny.encode(video)[:, :2], atol=1e-5, rtol=0)
+    z = torch.randn(16, 3, 2, 2, generator=_gen(2))
+    full = tiny.decode(z, chunk_frames=4)
+    torch.testing.assert_close(tiny.decode(z[:, :2], chunk_frames=1), full[:, :5], atol=1e-5, rtol=0)
+    torch.testing.assert_close(tiny.decode(z, chunk_frames=1), full, atol=1e-5, rtol=0)
+
+
+def _spatially_local(model):
+    """Keep only the centre spatial tap of every conv and silence attention: each output pixel then
+    depends on its own latent pixel alone (through all frames), so tiling cannot change anything."""
+    local = V.WanVAE(**TINY).eval()
+    local.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for m in local.decoder.modules():
+            if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)) and m.kernel_size[-1] == 3:
+                centre = m.weight[..., 1:2, 1:2].clone()
+                m.weight.zero_()[..., 1:2, 1:2] = centre
+            if isinstance(m, V.AttentionBlock):
+                m.proj.weight.zero_()
+    return local
+
+
+def test_tiled_equals_untiled(tiny):
+    z = torch.randn(16, 2, 7, 9, generator=_gen(4))
+    # A single tile covering everything is the untiled path.
+    torch.testing.assert_close(tiny.decode(z, tile=(7, 9), overlap=4), tiny.decode(z), atol=0, rtol=0)
+    # With a spatially local decoder the only possible differences are tile placement and blending
+    # mistakes (or a cache shared between tiles), so tiled must match to fp32 rounding: 1e-5 leaves
+    # ~100x room over the ~1e-7 error of normalising sum(w_i * x) / sum(w_i) on values in [-1, 1].
+    local = _spatially_local(tiny)
+    ref = local.decode(z)
+    assert ref.std() > 0.1  # not trivially flat
+    for tile, overlap in (((4, 5), 2), ((7, 4), 0)):
+        out = local.decode(z, tile=tile, overlap=overlap)
+        assert (out - ref).abs().max() < 1e-5, (tile, overlap)
+    # The real decoder sees zero padding at tile cuts and attends within a tile only, so it differs
+    # near cuts; the linear blend keeps it bounded (measured ~0.03 mean / 0.6 max on random weights,
+    # which unlike trained ones have no spatial decay; see benchmarks/bench_vae.py for the real VAE).
+    out = tiny.decode(z, tile=(5, 6), overlap=3)
+    assert (out - tiny.decode(z)).abs().mean() < 0.1
+
+
+def test_tile_spans_and_auto():
+    assert V.tile_spans(10, 16, 4) == [(0, 10)]
+    spans = V.tile_spans(160, 64, 16)
+    assert spans[0][0] == 0 and spans[-1][1] == 160
+    assert all(b - a == 64 for a, b in spans) and all(
+        p[1] - n[0] >= 16 for p, n in zip(spans[:-1], spans[1:], strict=True)
+    )
+    with torch.device("meta"):
+        full = V.WanVAE()
+    # Cache: 151,328 elements per latent pixel; activations 6144 * (3*2 + 2) + 12,288 held (fp32).
+    assert full.decode_bytes_per_latent_pixel(2) == (151_328 + 6144 * 8 + 12_288) * 4
+    assert V.pick_tile(full, 90, 160, None) is None  # CPU: untiled
+    assert V.pick_tile(full, 90, 160, 40 * 2**30) is None
+    th, tw = V.pick_tile(full, 90, 160, 4 * 2**30)
+    assert th * tw * full.decode_bytes_per_latent_pixel(2) * V.AUTO_SAFETY <= 4 * 2**30
+    assert th >= 40 and tw >= 40
+
+
+def test_auto_on_cpu_is_untiled(tiny):
+    z = torch.randn(16, 2, 3, 4, generator=_gen(5))
+    assert torch.equal(tiny.decode(z, tile="auto"), tiny.decode(z))
+
+
+# --- loading ---------------------------------------------------------------------------------------
+
+
+def test_pth_and_safetensors_load_identically(tiny, tmp_path):
+    sd = tiny.state_dict()
+    torch.save(sd, tmp_path / "Wan2.1_VAE.pth")
+    save_file(sd, tmp_path / "wan_2.1_vae.safetensors")
+    save_file({k: v.bfloat16() for k, v in sd.items()}, tmp_path / "bf16.safetensors")  # like ComfyUI's
+    a = load_vae(tmp_path / "Wan2.1_VAE.pth", config=TINY)
+    b = load_vae(tmp_path / "wan_2.1_vae.safetensors", config=TINY)
+    c = load_vae(tmp_path / "bf16.safetensors", config=TINY)
+    for k, v in sd.items():
+        assert torch.equal(a.state_dict()[k], v) and torch.equal(b.state_dict()[k], v)
+        assert c.state_dict()[k].dtype == torch.float32 and torch.equal(
+            c.state_dict()[k], v.bfloat16().float()
+        )
+    assert not any(p.requires_grad or p.is_meta for p in a.parameters())
+    z = torch.randn(16, 1, 2, 2, generator=_gen(6))
+    assert torch.equal(a.decode(z), b.decode(z))
+
+
+def test_load_errors(tiny, tmp_path):
+    sd = tiny.state_dict()
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_vae(tmp_path / "nope.pth")
+
+    partial = {k: v for k, v in sd.items() if k != "decoder.head.2.bias"} | {"extra.weight": torch.zeros(1)}
+    save_file(partial, tmp_path / "partial.safetensors")
+    with pytest.raises(
+        ValueError, match=r"1 missing keys \[decoder.head.2.bias\].*1 unexpected keys \[extra.weight\]"
+    ):
+        load_vae(tmp_path / "partial.safetensors", config=TINY)
+
+    save_file(sd, tmp_path / "tiny.safetensors")  # tiny weights vs the full-size config
+    with pytest.raises(
+        ValueError, match=r"'encoder.conv1.weight' has shape \[4, 3, 3, 3, 3\], expected \[96, 3, 3, 3, 3\]"
+    ):
+        load_vae(tmp_path / "tiny.safetensors")
+
+    wan22 = {"decoder.middle.0.residual.0.gamma": torch.ones(3), "conv2.weight": torch.zeros(48, 48, 1, 1, 1)}
+    save_file(wan22, tmp_path / "wan2.2_vae.safetensors")
+    with pytest.raises(ValueError, match="Wan2.2 VAE"):
+        load_vae(tmp_path / "wan2.2_vae.safetensors")
+
+    save_file({"blocks.0.weight": torch.zeros(2)}, tmp_path / "dit.safetensors")
+    with pytest.raises(ValueError, match="not a Wan VAE"):
+        load_vae(tmp_path / "dit.safetensors")
+    (tmp_path / "junk.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="junk.pth could not be read"):
+        load_vae(tmp_path / "junk.pth")
+
+    # a VAE stored under a prefix (single-file bundles) is found and stripped
+    torch.save({"first_stage_model." + k: v for k, v in sd.items()}, tmp_path / "bundle.pt")
+    assert torch.equal(load_vae(tmp_path / "bundle.pt", config=TINY).conv2.weight, sd["conv2.weight"])
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "shape, msg",
+    [
+        ((4, 5, 16, 16), r"\[3, F, H, W\]"),
+        ((3, 16, 16), r"\[3, F, H, W\]"),
+        ((3, 4, 16, 16), "4n\\+1"),
+        ((3, 5, 20, 16), "height must be a multiple of 8"),
+        ((3, 5, 16, 8), "width must be a multiple of 8 and at least 16"),
+    ],
+)
+def test_bad_video(tiny, shape, msg):
+    with pytest.raises(ValueError, match=msg):
+        tiny.encode(torch.zeros(shape))
+
+
+def test_bad_values_and_latents(tiny):
+    video = torch.zeros(3, 1, 16, 16)
+    video[0, 0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        tiny.encode(video)
+    with pytest.raises(ValueError, match=r"\[16, T, h, w\].*got shape \[48, 2, 4, 4\]"):
+        tiny.decode(torch.zeros(48, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"\[16, T, h, w\]"):
+        tiny.decode(torch.zeros(1, 16, 2, 4, 4))
+    with pytest.raises(ValueError, match="h, w >= 2"):
+        tiny.decode(torch.zeros(16, 2, 1, 4))
+    latent = torch.zeros(16, 1, 2, 2)
+    latent[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        tiny.decode(latent)
+    with pytest.raises(ValueError, match="tile must be"):
+        tiny.decode(torch.zeros(16, 1, 4, 4), tile=(4,))
+    with pytest.raises(ValueError, match="overlap must be"):
+        tiny.decode(torch.zeros(16, 1, 4, 4), tile=(4, 4), overlap=4)

@@ -1,0 +1,581 @@
+"""The Wan2.1 video VAE (z = 16, 8x spatial / 4x temporal compression) with causal 3D convolutions.
+
+Module and parameter names follow upstream `Wan2.1_VAE.pth` exactly (`encoder.downsamples.0.residual.2.weight`,
+`decoder.head.2.weight`, `conv1.weight`, ...), so its state dict (or ComfyUI's `wan_2.1_vae.safetensors`,
+same names) loads without renaming. Upstream runs the VAE in fp32: its wrapper asks for
+`autocast(dtype=torch.float)`, which CUDA autocast rejects and disables, so every op runs in the
+parameter dtype (fp32 weights). Here the compute dtype is simply the parameter dtype.
+
+Time is streamed the way upstream does it: encode takes the first frame, then 4-frame chunks; decode
+takes one latent frame at a time. Every causal conv keeps the last CACHE_T input frames of the
+stream in a per-call cache dict, so chunked processing equals one causal conv over the whole
+sequence. Memory-saving departures that keep every value equal: spatial resampling runs frame by
+frame, norm/SiLU/residual adds work in place, after a temporal upsample the decoder continues in
+sub-chunks of `chunk_frames` frames (the cache makes that exact), and decoded chunks are written
+into one preallocated output instead of repeated concatenation. Decode can also run in spatial
+tiles, each streamed through all frames with its own cache and blended linearly in the overlaps.
+"""
+
+import math
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CACHE_T = 2  # frames of history a k=3 causal conv needs
+
+# Upstream per-channel latent statistics (Wan2_1_VAE): latent = (mu - mean) / std.
+LATENT_MEAN = (
+    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
+)  # fmt: skip
+LATENT_STD = (
+    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
+)  # fmt: skip
+
+# Upstream `_video_vae` configuration of Wan2.1_VAE.pth.
+WAN21_VAE_CONFIG = dict(
+    dim=96,
+    z_dim=16,
+    dim_mult=(1, 2, 4, 4),
+    num_res_blocks=2,
+    attn_scales=(),
+    temperal_downsample=(False, True, True),
+)
+
+SPATIAL_STRIDE = 8
+TEMPORAL_STRIDE = 4
+DEFAULT_OVERLAP = 16  # latent pixels (128 output pixels) shared by neighbouring decode tiles, ~the decoder's receptive radius
+AUTO_SAFETY = 1.25  # headroom over the analytic peak for conv workspaces and allocator fragmentation
+
+Cache = dict  # module -> its streamed state (last input frames); one dict per encode/decode stream
+
+
+class CausalConv3d(nn.Conv3d):
+    """Conv3d padded causally in time (2*pad frames in front, none behind), zero-padded in space.
+
+    With a cache, the front padding is replaced by the previous chunk's last frames, so a stream of
+    chunks gives the same result as one causal conv over the concatenated sequence.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.time_pad = 2 * self.padding[0]
+        self.space_pad = (0, self.padding[1], self.padding[2])
+
+    def forward(self, x: torch.Tensor, cache: Cache | None = None, pre=None) -> torch.Tensor:
+        # `pre` (norm + SiLU) is applied here so its output can be freed before the conv runs.
+        if pre is not None:
+            x = pre(x)
+        if self.time_pad > 0:
+            prev = None if cache is None else cache.get(self)
+            parts = [x] if prev is None else [prev, x]
+            missing = self.time_pad - (0 if prev is None else prev.shape[2])
+            if missing > 0:
+                parts.insert(0, x.new_zeros(*x.shape[:2], missing, *x.shape[3:]))
+            x = torch.cat(parts, dim=2)
+            del parts, prev
+            if cache is not None:
+                # Zero frames kept here stand for the zero padding the next call would add anyway.
+                cache[self] = x[:, :, -CACHE_T:].clone()
+        return F.conv3d(x, self.weight, self.bias, self.stride, self.space_pad, self.dilation, self.groups)
+
+
+class RMS_norm(nn.Module):  # noqa: N801  (upstream name, kept for readers comparing the two)
+    """L2-normalise over channels, times sqrt(dim) and a learned gain (upstream `RMS_norm`, no bias)."""
+
+    def __init__(self, dim: int, images: bool = True):
+        super().__init__()
+        self.scale = dim**0.5
+        self.gamma = nn.Parameter(torch.ones(dim, *((1, 1) if images else (1, 1, 1))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.normalize(x, dim=1)
+        return y.mul_(self.scale).mul_(self.gamma.to(y.dtype))
+
+
+def _norm_silu(norm: RMS_norm):
+    return lambda x: F.silu(norm(x), inplace=True)
+
+
+def _per_frame(fn, x: torch.Tensor) -> torch.Tensor:
+    """Apply a 2D op to every frame of [b, c, t, h, w] without materialising all frames' temporaries."""
+    out = None
+    for i in range(x.shape[2]):
+        y = fn(x[:, :, i])
+        if out is None:
+            out = y.new_empty(y.shape[0], y.shape[1], x.shape[2], *y.shape[2:])
+        out[:, :, i] = y
+        del y
+    return out
+
+
+class Resample(nn.Module):
+    """2x spatial (and optionally 2x temporal) up- or downsampling; upstream `Resample`."""
+
+    def __init__(self, dim: int, mode: str):
+        super().__init__()
+        if mode not in ("upsample2d", "upsample3d", "downsample2d", "downsample3d"):
+            raise ValueError(f"Resample mode must be up/downsample2d/3d, got {mode!r}")
+        self.mode = mode
+        if mode.startswith("upsample"):
+            # index 0 is upstream's parameter-free nearest-exact Upsample
+            self.resample = nn.Sequential(nn.Identity(), nn.Conv2d(dim, dim // 2, 3, padding=1))
+        else:
+            # index 0 is upstream's ZeroPad2d((0, 1, 0, 1))
+            self.resample = nn.Sequential(nn.Identity(), nn.Conv2d(dim, dim, 3, stride=2))
+        if mode == "upsample3d":
+            self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0))
+        elif mode == "downsample3d":
+            self.time_conv = CausalConv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1), padding=(0, 0, 0))
+
+    def _spatial(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.resample[1]
+        if self.mode.startswith("upsample"):
+            # nearest upsampling in fp32 as upstream does ("bfloat16 support" fix), then back
+            return conv(F.interpolate(x.float(), scale_factor=(2.0, 2.0), mode="nearest-exact").type_as(x))
+        return conv(F.pad(x, (0, 1, 0, 1)))
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        if self.mode == "upsample3d":
+            # The first chunk passes without temporal upsampling (1 latent frame -> 1 frame). Later
+            # chunks run the time conv causally over the frames after the first, with zero history
+            # at the start (upstream's 'Rep' marker), and interleave its two channel halves in time.
+            if self in cache:
+                b, c, t, h, w = x.shape
+                x = self.time_conv(x, cache)
+                x = x.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
+            else:
+                cache[self] = None
+        x = _per_frame(self._spatial, x)
+        if self.mode == "downsample3d":
+            # The first chunk's frame passes as is; later chunks see the previous chunk's last frame
+            # in front and are halved in time by the stride-2 conv.
+            prev = cache.get(self)
+            cache[self] = x[:, :, -1:].clone()
+            if prev is not None:
+                x = self.time_conv(torch.cat([prev, x], dim=2))
+        return x
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        # indices as upstream: norm, SiLU, conv, norm, SiLU, Dropout (p=0), conv
+        self.residual = nn.Sequential(
+            RMS_norm(in_dim, images=False),
+            nn.SiLU(),
+            CausalConv3d(in_dim, out_dim, 3, padding=1),
+            RMS_norm(out_dim, images=False),
+            nn.SiLU(),
+            nn.Identity(),
+            CausalConv3d(out_dim, out_dim, 3, padding=1),
+        )
+        self.shortcut = CausalConv3d(in_dim, out_dim, 1) if in_dim != out_dim else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        r = self.residual
+        y = r[2](x, cache, pre=_norm_silu(r[0]))
+        y = r[6](y, cache, pre=_norm_silu(r[3]))
+        return y.add_(self.shortcut(x))
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over the pixels of each frame."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = RMS_norm(dim)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def _frame(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        qkv = self.to_qkv(self.norm(x)).flatten(2).transpose(1, 2).unsqueeze(1)
+        q, k, v = qkv.contiguous().chunk(3, dim=-1)  # [b, 1, h*w, c] each
+        del qkv
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.squeeze(1).transpose(1, 2).reshape(b, c, h, w))
+
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        return _per_frame(self._frame, x).add_(x)
+
+
+def _run(layers: nn.Sequential, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, cache)
+    return x
+
+
+class Encoder3d(nn.Module):
+    def __init__(self, dim, z_dim, dim_mult, num_res_blocks, attn_scales, temperal_downsample):
+        super().__init__()
+        dims = [dim * u for u in (1, *dim_mult)]
+        scale = 1.0
+        self.conv1 = CausalConv3d(3, dims[0], 3, padding=1)
+        blocks = []
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            for _ in range(num_res_blocks):
+                blocks.append(ResidualBlock(in_dim, out_dim))
+                if scale in attn_scales:
+                    blocks.append(AttentionBlock(out_dim))
+                in_dim = out_dim
+            if i != len(dim_mult) - 1:
+                blocks.append(Resample(out_dim, "downsample3d" if temperal_downsample[i] else "downsample2d"))
+                scale /= 2.0
+        self.downsamples = nn.Sequential(*blocks)
+        self.middle = nn.Sequential(
+            ResidualBlock(out_dim, out_dim), AttentionBlock(out_dim), ResidualBlock(out_dim, out_dim)
+        )
+        self.head = nn.Sequential(
+            RMS_norm(out_dim, images=False), nn.SiLU(), CausalConv3d(out_dim, z_dim, 3, padding=1)
+        )
+
+    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        x = self.conv1(x, cache)
+        x = _run(self.downsamples, x, cache)
+        x = _run(self.middle, x, cache)
+        return self.head[2](x, cache, pre=_norm_silu(self.head[0]))
+
+
+class Decoder3d(nn.Module):
+    def __init__(self, dim, z_dim, dim_mult, num_res_blocks, attn_scales, temperal_upsample):
+        super().__init__()
+        dims = [dim * u for u in (dim_mult[-1], *dim_mult[::-1])]
+        scale = 1.0 / 2 ** (len(dim_mult) - 2)
+        self.conv1 = CausalConv3d(z_dim, dims[0], 3, padding=1)
+        self.middle = nn.Sequential(
+            ResidualBlock(dims[0], dims[0]), AttentionBlock(dims[0]), ResidualBlock(dims[0], dims[0])
+        )
+        blocks = []
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            if i > 0:
+                in_dim //= 2  # every Resample halves the channels
+            for _ in range(num_res_blocks + 1):
+                blocks.append(ResidualBlock(in_dim, out_dim))
+                if scale in attn_scales:
+                    blocks.append(AttentionBlock(out_dim))
+                in_dim = out_dim
+            if i != len(dim_mult) - 1:
+                blocks.append(Resample(out_dim, "upsample3d" if temperal_upsample[i] else "upsample2d"))
+                scale *= 2.0
+        self.upsamples = nn.Sequential(*blocks)
+        self.head = nn.Sequential(
+            RMS_norm(out_dim, images=False), nn.SiLU(), CausalConv3d(out_dim, 3, 3, padding=1)
+        )
+
+    def stream(self, x: torch.Tensor, cache: Cache, chunk_frames: int = 2) -> Iterator[torch.Tensor]:
+        """Decode one chunk of latent frames, yielding output frames in order, `chunk_frames` at most
+        past each temporal upsample (bounds the full-resolution activations)."""
+        x = self.conv1(x, cache)
+        x = _run(self.middle, x, cache)
+        yield from self._up(x, 0, cache, chunk_frames)
+
+    def _up(self, x, start, cache, chunk_frames):
+        for i in range(start, len(self.upsamples)):
+            layer = self.upsamples[i]
+            x = layer(x, cache)
+            if isinstance(layer, Resample) and layer.mode == "upsample3d" and x.shape[2] > chunk_frames:
+                for s in range(0, x.shape[2], chunk_frames):
+                    yield from self._up(x[:, :, s : s + chunk_frames], i + 1, cache, chunk_frames)
+                return
+        yield self.head[2](x, cache, pre=_norm_silu(self.head[0]))
+
+
+class WanVAE(nn.Module):
+    """Upstream `WanVAE_` with Wan2_1_VAE's encode/decode (normalised latents, clamped output)."""
+
+    def __init__(
+        self,
+        dim: int = 96,
+        z_dim: int = 16,
+        dim_mult=(1, 2, 4, 4),
+        num_res_blocks: int = 2,
+        attn_scales=(),
+        temperal_downsample=(False, True, True),
+        latent_mean=LATENT_MEAN,
+        latent_std=LATENT_STD,
+    ):
+        super().__init__()
+        if len(latent_mean) != z_dim or len(latent_std) != z_dim:
+            raise ValueError(
+                f"latent_mean/latent_std need {z_dim} values (z_dim), got {len(latent_mean)}/{len(latent_std)}"
+            )
+        self.z_dim = z_dim
+        self.latent_mean = tuple(latent_mean)
+        self.latent_std = tuple(latent_std)
+        self.encoder = Encoder3d(dim, z_dim * 2, dim_mult, num_res_blocks, attn_scales, temperal_downsample)
+        self.conv1 = CausalConv3d(z_dim * 2, z_dim * 2, 1)
+        self.conv2 = CausalConv3d(z_dim, z_dim, 1)
+        self.decoder = Decoder3d(
+            dim, z_dim, dim_mult, num_res_blocks, attn_scales, tuple(temperal_downsample)[::-1]
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.conv1.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.conv1.weight.device
+
+    def _stats(self, device):
+        mean = torch.tensor(self.latent_mean, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(self.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+        return mean, inv_std
+
+    @torch.no_grad()
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """[3, F, H, W] in [-1, 1], F = 4n+1, H and W multiples of 8 -> normalised latent [z, n+1, H/8, W/8] fp32."""
+        check_video(video)
+        x = video.to(self.device, self.dtype).unsqueeze(0)
+        cache: Cache = {}
+        # first frame alone, then 4-frame chunks, each giving one latent frame
+        chunks = [self.encoder(x[:, :, :1], cache)]
+        for s in range(1, x.shape[2], TEMPORAL_STRIDE):
+            chunks.append(self.encoder(x[:, :, s : s + TEMPORAL_STRIDE], cache))
+        del cache, x
+        mu = self.conv1(torch.cat(chunks, dim=2))[:, : self.z_dim]
+        del chunks
+        mean, inv_std = self._stats(mu.device)
+        return ((mu[0] - mean) * inv_std).float()
+
+    @torch.no_grad()
+    def decode(
+        self,
+        latent: torch.Tensor,
+        tile=None,
+        overlap: int = DEFAULT_OVERLAP,
+        chunk_frames: int = 2,
+        out_device=None,
+    ) -> torch.Tensor:
+        """Normalised latent [z, T, h, w] -> video [3, 4(T-1)+1, 8h, 8w] fp32 clamped to [-1, 1].
+
+        tile: None (whole frame), 'auto' (from free VRAM; whole frame on CPU) or (tile_h, tile_w) in
+        latent pixels; neighbouring tiles share `overlap` latent pixels, blended linearly. Each tile
+        streams through all frames with its own cache. out_device: where the video is assembled
+        (default: the model's device).
+        """
+        check_latent(latent, self.z_dim)
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        z_t, h, w = latent.shape[1:]
+        frames = TEMPORAL_STRIDE * (z_t - 1) + 1
+        out_device = torch.device(out_device) if out_device is not None else self.device
+        if tile == "auto":
+            budget = free_vram(self.device)
+            if budget is not None and out_device == self.device:
+                budget -= 3 * frames * h * w * SPATIAL_STRIDE**2 * 4  # the fp32 output video
+            tile = pick_tile(self, h, w, budget, overlap, chunk_frames)
+        if tile is None:
+            ys, xs = [(0, h)], [(0, w)]
+        else:
+            check_tile(tile, overlap)
+            ys, xs = tile_spans(h, tile[0], overlap), tile_spans(w, tile[1], overlap)
+
+        mean, inv_std = self._stats(latent.device)
+        z = (latent.float() / inv_std + mean).to(self.device, self.dtype).unsqueeze(0)
+        z = self.conv2(z)
+        s = SPATIAL_STRIDE
+        out = torch.zeros(3, frames, h * s, w * s, dtype=torch.float32, device=out_device)
+        weight_sum = (
+            torch.zeros(h * s, w * s, dtype=torch.float32, device=out_device)
+            if len(ys) * len(xs) > 1
+            else None
+        )
+        for iy, (y0, y1) in enumerate(ys):
+            for ix, (x0, x1) in enumerate(xs):
+                wmap = None
+                if weight_sum is not None:
+                    wmap = torch.outer(_ramp(ys, iy, s), _ramp(xs, ix, s)).to(out_device)
+                    weight_sum[y0 * s : y1 * s, x0 * s : x1 * s] += wmap
+                self._decode_tile(
+                    z[..., y0:y1, x0:x1], out[..., y0 * s : y1 * s, x0 * s : x1 * s], wmap, chunk_frames
+                )
+        del z
+        if weight_sum is not None:
+            out /= weight_sum
+        return out.clamp_(-1, 1)
+
+    def _decode_tile(self, z, out, wmap, chunk_frames):
+        cache: Cache = {}
+        f = 0
+        for t in range(z.shape[2]):
+            for chunk in self.decoder.stream(z[:, :, t : t + 1], cache, chunk_frames):
+                n = chunk.shape[2]
+                chunk = chunk[0].to(out.device, torch.float32)
+                if wmap is None:
+                    out[:, f : f + n] = chunk
+                else:
+                    out[:, f : f + n] += chunk.mul_(wmap)
+                f += n
+                del chunk
+
+    def decode_bytes_per_latent_pixel(self, chunk_frames: int = 2) -> int:
+        """Analytic peak decode memory per latent pixel of a tile (model dtype, output buffer excluded).
+
+        All terms scale with the tile area: every cached causal conv keeps CACHE_T input frames at
+        its resolution for the whole stream; the widest conv holds its input (c frames), the
+        cache-padded input (c + 2), its output (c) and the new cache (2); and each temporal upsample
+        whose output is split into sub-chunks stays alive while they run (c = chunk_frames).
+        Full Wan2.1 config, c = 2: 151,328 cache + 61,440 activation elements (~0.85 MB fp32).
+        """
+        dec = self.decoder
+        cache_elems = held = peak = 0
+        area, frames = 1, 1
+        for block in (dec.conv1, *dec.middle, *dec.upsamples, dec.head):
+            for m in block.modules():
+                if isinstance(m, CausalConv3d) and m.time_pad > 0:
+                    cache_elems += CACHE_T * m.in_channels * area
+                    peak = max(peak, m.in_channels * area)
+            if isinstance(block, Resample):
+                area *= 4
+                if block.mode == "upsample3d":
+                    frames *= 2
+                    if frames > chunk_frames:
+                        held += frames * block.resample[1].out_channels * area
+                        frames = chunk_frames
+        act_elems = (3 * min(chunk_frames, frames) + CACHE_T) * peak + held
+        return (cache_elems + act_elems) * self.dtype.itemsize
+
+
+def _ramp(spans: list[tuple[int, int]], i: int, s: int) -> torch.Tensor:
+    """1D blend weights (output pixels) of tile i: linear over each overlap with a neighbour, else 1."""
+    a, b = spans[i]
+    pos = torch.arange(a * s, b * s, dtype=torch.float32) + 0.5
+    w = torch.ones_like(pos)
+    if i > 0 and spans[i - 1][1] > a:  # overlap with the previous tile: [a, prev_end)
+        w = torch.minimum(w, (pos - a * s) / ((spans[i - 1][1] - a) * s))
+    if i + 1 < len(spans) and spans[i + 1][0] < b:  # overlap with the next tile: [next_start, b)
+        w = torch.minimum(w, (b * s - pos) / ((b - spans[i + 1][0]) * s))
+    return w
+
+
+def tile_spans(size: int, tile: int, overlap: int) -> list[tuple[int, int]]:
+    """Evenly spread [start, end) windows of `tile` covering `size`, neighbours sharing >= `overlap`."""
+    if tile >= size:
+        return [(0, size)]
+    n = math.ceil((size - overlap) / (tile - overlap))
+    starts = [round(i * (size - tile) / (n - 1)) for i in range(n)]
+    return [(s, s + tile) for s in starts]
+
+
+def free_vram(device) -> int | None:
+    """Bytes this process can still allocate on a CUDA device (None on CPU): free memory plus the
+    allocator's unused reserve, bounded by torch.cuda.set_per_process_memory_fraction if set."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    avail = free + torch.cuda.memory_reserved(device) - allocated
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        avail = min(avail, int(get_fraction(device) * total) - allocated)
+    return max(avail, 0)
+
+
+def pick_tile(
+    vae: WanVAE, h: int, w: int, budget: int | None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2
+):
+    """(tile_h, tile_w) latent pixels whose estimated decode peak fits `budget` bytes, choosing the
+    tile grid that decodes the least total area; None when the whole frame fits or no budget is
+    known (CPU). If nothing fits, the smallest sensible tile (2*overlap + 8) is returned with a warning.
+    """
+    if budget is None:
+        return None
+    area = max(budget, 0) / (vae.decode_bytes_per_latent_pixel(chunk_frames) * AUTO_SAFETY)
+    if h * w <= area:
+        return None
+
+    def side(size, n):  # tile length that covers `size` with n tiles sharing `overlap`
+        return size if n == 1 else math.ceil((size + (n - 1) * overlap) / n)
+
+    smallest = 2 * overlap + 8  # below this a tile is mostly overlap
+    best = None
+    for ny in range(1, h + 1):
+        th = side(h, ny)
+        if ny > 1 and th < smallest:
+            break
+        for nx in range(1, w + 1):
+            tw = side(w, nx)
+            if nx > 1 and tw < smallest:
+                break
+            if th * tw <= area:  # more columns would only add overlap work
+                if best is None or ny * nx * th * tw < best[0]:
+                    best = (ny * nx * th * tw, th, tw)
+                break
+    if best is None:
+        smallest = (min(h, 2 * overlap + 8), min(w, 2 * overlap + 8))
+        warnings.warn(
+            f"VAE decode: {budget / 2**30:.1f} GiB free is below the estimate even for tile {smallest}",
+            stacklevel=2,
+        )
+        return smallest
+    return best[1], best[2]
+
+
+def check_tile(tile, overlap: int) -> None:
+    ok = (
+        isinstance(tile, (tuple, list))
+        and len(tile) == 2
+        and all(isinstance(t, int) and t >= 2 for t in tile)
+    )
+    if not ok:
+        raise ValueError(f"tile must be None, 'auto' or (tile_h, tile_w) latent pixels >= 2, got {tile!r}")
+    if not isinstance(overlap, int) or not 0 <= overlap < min(tile):
+        raise ValueError(
+            f"overlap must be an int in [0, min(tile)) latent pixels, got {overlap!r} for tile {tuple(tile)}"
+        )
+
+
+def check_video(video) -> None:
+    if not isinstance(video, torch.Tensor):
+        raise ValueError(f"video must be a torch.Tensor [3, F, H, W], got {type(video).__name__}")
+    if video.dim() != 4 or video.shape[0] != 3:
+        raise ValueError(f"video must be [3, F, H, W] (3 RGB channels first), got shape {list(video.shape)}")
+    frames, height, width = video.shape[1:]
+    if (frames - 1) % TEMPORAL_STRIDE:
+        raise ValueError(f"video frame count must be 4n+1 (1, 5, 9, ..., 81), got {frames}")
+    for name, v in (("height", height), ("width", width)):
+        if v % SPATIAL_STRIDE or v < 2 * SPATIAL_STRIDE:
+            raise ValueError(f"video {name} must be a multiple of 8 and at least 16, got {v}")
+    if not video.is_floating_point():
+        raise ValueError(f"video must be a float tensor in [-1, 1], got dtype {video.dtype}")
+    if not torch.isfinite(video).all():
+        raise ValueError("video contains NaN or Inf values")
+
+
+def check_latent(latent, z_dim: int) -> None:
+    if not isinstance(latent, torch.Tensor):
+        raise ValueError(f"latent must be a torch.Tensor [{z_dim}, T, h, w], got {type(latent).__name__}")
+    if latent.dim() != 4 or latent.shape[0] != z_dim:
+        raise ValueError(
+            f"latent must be [{z_dim}, T, h, w] (Wan2.1 VAE, z_dim {z_dim}), got shape {list(latent.shape)}"
+        )
+    if min(latent.shape[1:]) < 1 or min(latent.shape[2:]) < 2:
+        raise ValueError(f"latent needs T >= 1 and h, w >= 2, got shape {list(latent.shape)}")
+    if not latent.is_floating_point():
+        raise ValueError(f"latent must be a float tensor, got dtype {latent.dtype}")
+    if not torch.isfinite(latent).all():
+        raise ValueError("latent contains NaN or Inf values")
+
+
+def init_random_(vae: nn.Module, seed: int = 0) -> nn.Module:
+    """Seeded random weights for tests and benchmarks (real use loads a checkpoint): conv weights
+    with std 1/sqrt(fan_in), biases 0.1*N(0,1), RMS gains 1 + 0.1*N(0,1). Works on a meta-built
+    module after `to_empty`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("gamma"):
+                p.copy_(1 + 0.1 * r)
+            elif p.dim() > 1:
+                p.copy_(r / math.sqrt(p[0].numel()))
+            else:
+                p.copy_(0.1 * r)
+    return vae

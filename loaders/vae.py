@@ -85,8 +85,8 @@ def _identify(path: Path, shapes: dict) -> str:
 
 
 def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dict | None = None) -> WanVAE:
-    """Load a Wan2.1 VAE onto `device` in `dtype` (upstream runs fp32). `config` = WanVAE kwargs
-    (default: upstream Wan2.1_VAE.pth's; tests pass tiny ones)."""
+    """Load a Wan2.1 VAE onto `device` in `dtype` (upstream runs fp32). `config` = WanVAE kwargs;
+    by default upstream's, with the base width read from `encoder.conv1.weight` (small test VAEs)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Wan2.1 VAE checkpoint not found: {path}")
@@ -94,8 +94,11 @@ def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dic
     prefix = _identify(path, ckpt.shapes)
     found = {k[len(prefix) :]: s for k, s in ckpt.shapes.items() if k.startswith(prefix)}
 
+    if config is None:
+        conv1 = found.get("encoder.conv1.weight")
+        config = {**WAN21_VAE_CONFIG, "dim": conv1[0]} if conv1 else WAN21_VAE_CONFIG
     with torch.device("meta"):
-        model = WanVAE(**(config or WAN21_VAE_CONFIG))
+        model = WanVAE(**config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
     if missing or unexpected:

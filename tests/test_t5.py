@@ -6,9 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lingbot_world.loaders import text_encoder as te
-from lingbot_world.wan import t5
-from safetensors.torch import load_file, save_file
-from t5_fixtures import (
+from lingbot_world.loaders.synthetic_text import (
     TINY,
     spiece_model_bytes,
     upstream_state_dict,
@@ -16,6 +14,8 @@ from t5_fixtures import (
     write_pth,
     write_tokenizer_json,
 )
+from lingbot_world.wan import t5
+from safetensors.torch import load_file, save_file
 
 # ---------------------------------------------------------------------------------------------------
 # Names and shapes

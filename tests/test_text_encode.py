@@ -12,7 +12,7 @@ import pytest
 import torch
 from lingbot_world.loaders import text_encode as tx
 from lingbot_world.loaders import text_encoder as te
-from t5_fixtures import (
+from lingbot_world.loaders.synthetic_text import (
     TINY,
     spiece_model_bytes,
     upstream_state_dict,

@@ -56,11 +56,12 @@ def denoise(
     seq_len = i2v.seq_len(*noise.shape[1:])
     latent = noise
     with contextlib.ExitStack() as stack:
-        current = None
+        model = current = None
         for i, t in enumerate(timesteps):
             hooks.check()
             which = expert_for_timestep(t, settings.boundary)
             if which != current:  # a new phase per expert: its load and its steps
+                model = None  # drop our reference, or the old expert stays alive while the new one loads
                 stack.close()
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
@@ -82,7 +83,7 @@ def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
     return ((video.clamp(-1, 1) + 1) / 2 * 255).to(torch.uint8).permute(1, 2, 3, 0).cpu()
 
 
-def generate(
+def sample(
     image: torch.Tensor,
     context: torch.Tensor,
     context_null: torch.Tensor,
@@ -96,11 +97,12 @@ def generate(
     device: torch.device | str = "cpu",
     hooks: Hooks | None = None,
 ) -> torch.Tensor:
-    """Image [3, H, W] in [-1, 1] + text embeddings (+ packed camera tensor) -> video [3, F, h, w].
+    """Image [3, H, W] in [-1, 1] + text embeddings (+ packed camera tensor) -> final latent.
 
     `size` is (lat_h, lat_w, h, w) from `wan.i2v.latent_size`/`explicit_size`; `frame_num` must
-    already be 4n+1 and fit the camera path. `vae` has `encode(video) -> latent` and
-    `decode(latent) -> video`, and is moved to `device` only for its own phases.
+    already be 4n+1 and fit the camera path. `vae.encode(video) -> latent` encodes the first frame
+    (+ zero frames) for the i2v condition. The experts are released before this returns, also on
+    errors and interrupts, so the decode that follows has the device to itself.
     """
     hooks = hooks or Hooks()
     device = torch.device(device)
@@ -116,9 +118,16 @@ def generate(
         del latent_image
         context, context_null = context.to(device), context_null.to(device)
         cam = None if cam is None else cam.to(device)
-        latent = denoise(experts, noise, y, context, context_null, cam, settings, hooks)
+        return denoise(experts, noise, y, context, context_null, cam, settings, hooks)
     finally:
-        release_experts()  # experts leave the device before the decode, and on any error
+        release_experts()
+
+
+def generate(vae_decode: Callable[[torch.Tensor], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
+    """`sample(**kwargs)` then the VAE decode: video [3, F, h, w] in [-1, 1] (keyword arguments only).
+    `vae_decode` replaces `vae.decode`, e.g. to pass tiling options."""
+    latent = sample(**kwargs)
+    hooks = kwargs.get("hooks") or Hooks()
     hooks.check()
     with hooks.in_phase("vae_decode"):
-        return vae.decode(latent)
+        return (vae_decode or kwargs["vae"].decode)(latent)

@@ -1,13 +1,14 @@
-"""Tiny umT5 checkpoints and tokenizers built offline, in both file layouts, for the T5 tests."""
+"""Random umT5 checkpoints and tokenizers built offline, in both file layouts (tests, demo, benchmarks)."""
 
 import io
 import json
 from pathlib import Path
 
 import torch
-from lingbot_world.loaders.text_encoder import SPIECE_KEY, hf_name
-from lingbot_world.wan.t5 import T5Encoder, random_param
 from safetensors.torch import save_file
+
+from ..wan.t5 import T5Encoder, random_param
+from .text_encoder import SPIECE_KEY, hf_name
 
 TINY = dict(vocab=160, dim=32, dim_attn=32, dim_ffn=48, num_heads=4, num_layers=2, num_buckets=32)
 

@@ -1,0 +1,62 @@
+"""A whole LingBot-World checkpoint folder -> the files each phase needs, every gap listed at once.
+
+Accepts upstream's layout (`high_noise_model/`, `low_noise_model/`, `models_t5_umt5-xxl-enc-bf16.pth`,
+`google/umt5-xxl/`, `Wan2.1_VAE.pth`) and the NF4 repack's (`*_noise_model_bnb_nf4/`, `tokenizer/`),
+and ComfyUI's file names for the text encoder and VAE placed in the same folder.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .formats import detect_expert_format, find_experts
+from .text_encoder import resolve_tokenizer
+
+TEXT_ENCODER_NAMES = ("models_t5_umt5-xxl-enc-bf16.pth", "umt5_xxl_fp16.safetensors", "umt5_xxl_bf16.safetensors")
+VAE_NAMES = ("Wan2.1_VAE.pth", "wan_2.1_vae.safetensors")
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    experts: dict  # {'high': Path, 'low': Path}
+    text_encoder: Path
+    tokenizer: Path | None  # None: the encoder file carries its own tokenizer
+    vae: Path
+    control_type: str | None  # 'cam', 'act' or None (plain Wan2.2 i2v), read from the tensors
+
+
+def _first(root: Path, names) -> Path | None:
+    return next((root / n for n in names if (root / n).is_file()), None)
+
+
+def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: checkpoint directory not found")
+    missing = []
+    try:
+        experts = find_experts(root)
+    except FileNotFoundError as err:
+        experts = None
+        missing.append(str(err).split("missing: ", 1)[-1])
+    text_encoder = _first(root, TEXT_ENCODER_NAMES)
+    tokenizer = None
+    if text_encoder is None:
+        missing.append(f"{root / TEXT_ENCODER_NAMES[0]} (text encoder)")
+    else:
+        try:
+            source = resolve_tokenizer(encoder_path=text_encoder)
+            tokenizer = None if source.kind == "embedded" else source.path
+        except (FileNotFoundError, ValueError):
+            missing.append(f"{root / 'tokenizer'}/tokenizer.json or {root / 'google' / 'umt5-xxl'}/ (tokenizer)")
+    vae = _first(root, VAE_NAMES)
+    if vae is None:
+        missing.append(f"{root / VAE_NAMES[0]} (VAE)")
+    if missing:
+        raise FileNotFoundError(f"{root}: incomplete checkpoint, missing:\n  - " + "\n  - ".join(missing))
+    control_type = detect_expert_format(experts["high"]).control_type
+    low_type = detect_expert_format(experts["low"]).control_type
+    if low_type != control_type:
+        raise ValueError(
+            f"{root}: the experts disagree: high-noise is {control_type!r}, low-noise is {low_type!r}"
+        )
+    return CheckpointFiles(experts, text_encoder, tokenizer, vae, control_type)

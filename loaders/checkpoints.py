@@ -11,7 +11,11 @@ from pathlib import Path
 from .formats import detect_expert_format, find_experts
 from .text_encoder import resolve_tokenizer
 
-TEXT_ENCODER_NAMES = ("models_t5_umt5-xxl-enc-bf16.pth", "umt5_xxl_fp16.safetensors", "umt5_xxl_bf16.safetensors")
+TEXT_ENCODER_NAMES = (
+    "models_t5_umt5-xxl-enc-bf16.pth",
+    "umt5_xxl_fp16.safetensors",
+    "umt5_xxl_bf16.safetensors",
+)
 VAE_NAMES = ("Wan2.1_VAE.pth", "wan_2.1_vae.safetensors")
 
 
@@ -47,7 +51,9 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
             source = resolve_tokenizer(encoder_path=text_encoder)
             tokenizer = None if source.kind == "embedded" else source.path
         except (FileNotFoundError, ValueError):
-            missing.append(f"{root / 'tokenizer'}/tokenizer.json or {root / 'google' / 'umt5-xxl'}/ (tokenizer)")
+            missing.append(
+                f"{root / 'tokenizer'}/tokenizer.json or {root / 'google' / 'umt5-xxl'}/ (tokenizer)"
+            )
     vae = _first(root, VAE_NAMES)
     if vae is None:
         missing.append(f"{root / VAE_NAMES[0]} (VAE)")

@@ -1,4 +1,18 @@
-"""ComfyUI adapters: the only code in the pack that imports comfy.*."""
+"""ComfyUI adapters: the only code in the pack that imports comfy.* (through nodes/memory.py)."""
 
-NODE_CLASS_MAPPINGS = {}
-NODE_DISPLAY_NAME_MAPPINGS = {}
+from .camera import LingBotCamera
+from .models import LingBotExpertsLoader
+from .sampler import LingBotSampler
+from .text import LingBotTextEncode
+from .vae import LingBotVAEDecode, LingBotVAELoader
+
+_NODES = {
+    "LingBotExpertsLoader": (LingBotExpertsLoader, "LingBot Experts Loader (NF4 streaming)"),
+    "LingBotTextEncode": (LingBotTextEncode, "LingBot Text Encode (umT5)"),
+    "LingBotCamera": (LingBotCamera, "LingBot Camera Path"),
+    "LingBotVAELoader": (LingBotVAELoader, "LingBot VAE Loader (Wan2.1)"),
+    "LingBotSampler": (LingBotSampler, "LingBot-World Sampler"),
+    "LingBotVAEDecode": (LingBotVAEDecode, "LingBot VAE Decode"),
+}
+NODE_CLASS_MAPPINGS = {k: cls for k, (cls, _) in _NODES.items()}
+NODE_DISPLAY_NAME_MAPPINGS = {k: name for k, (_, name) in _NODES.items()}

@@ -1,0 +1,190 @@
+"""Experts loader node: validates both DiT experts at node time, loads nothing until sampling."""
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import folder_paths
+
+from ..loaders.experts import ExpertSwitcher
+from ..loaders.formats import (
+    CONFIG,
+    DIFFUSERS_SINGLE,
+    NF4_PT,
+    NF4_WEIGHTS,
+    detect_expert_format,
+    find_experts,
+)
+from . import memory
+
+CATEGORY = "LingBot-World"
+EXPERTS = "LINGBOT_EXPERTS"
+MODELS_KIND = "diffusion_models"
+FOLDER_WEIGHTS = (NF4_WEIGHTS, NF4_PT, DIFFUSERS_SINGLE)
+NO_EXPERTS = "(none found: set ckpt_dir)"
+
+
+def _roots(kind: str) -> list[str]:
+    return folder_paths.get_folder_paths(kind)
+
+
+def expert_choices() -> list[str]:
+    """Experts under ComfyUI's diffusion_models folders: expert folders (config.json beside
+    model.safetensors / model.pt / diffusion_pytorch_model*.safetensors, listed as the folder) and
+    single .safetensors files. Uses ComfyUI's cached recursive file list."""
+    roots = _roots(MODELS_KIND)
+    out = set()
+    for rel in folder_paths.get_filename_list(MODELS_KIND):
+        name, folder = os.path.basename(rel), os.path.dirname(rel)
+        is_weights = name in FOLDER_WEIGHTS or (
+            name.startswith("diffusion_pytorch_model-") and name.endswith(".safetensors")
+        )
+        if is_weights and folder and any(os.path.isfile(os.path.join(r, folder, CONFIG)) for r in roots):
+            out.add(folder)
+        elif name.endswith(".safetensors") and not name.startswith("diffusion_pytorch_model-"):
+            out.add(rel)
+    return sorted(out)
+
+
+def resolve_model(kind: str, name: str) -> Path:
+    """A file or folder entry of a ComfyUI model list -> its path (first root holding it)."""
+    for root in _roots(kind):
+        candidate = os.path.join(root, name)
+        if os.path.exists(candidate):
+            return Path(candidate)
+    raise FileNotFoundError(f"{name!r} not found in the {kind} folders: {', '.join(_roots(kind))}")
+
+
+def _default(choices: list[str], word: str) -> str:
+    return next((c for c in choices if word in c.lower()), choices[0])
+
+
+@dataclass
+class ExpertsHandle:
+    """What flows on a LINGBOT_EXPERTS link: validated paths and settings, no weights.
+
+    The switcher (and the experts it parks in RAM under keep_in_ram_gb) lives as long as ComfyUI
+    caches this node's output, so repeated runs skip the disk read; ComfyUI's "free model and node
+    cache" drops it.
+    """
+
+    paths: dict  # {'high': Path, 'low': Path}
+    control_type: str | None  # 'cam', 'act' or None (plain Wan2.2 i2v)
+    text_dim: int
+    nbytes: dict  # stored bytes per expert, for make_room
+    quantize: bool | None
+    ram_budget: int
+    _switcher: ExpertSwitcher | None = field(default=None, repr=False)
+
+    def switcher(self, device) -> ExpertSwitcher:
+        if self._switcher is None or self._switcher.device != device:
+            self.close()
+            self._switcher = ExpertSwitcher(
+                self.paths, device, quantize=self.quantize, ram_budget=self.ram_budget
+            )
+        return self._switcher
+
+    def provider(self, device, working_bytes: int):
+        """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load."""
+        switcher = self.switcher(device)
+
+        def experts(name: str):
+            if switcher.resident != name:
+                switcher.release()
+                memory.after_release()
+                memory.make_room(self.nbytes[name] + working_bytes, switcher.device)
+            return switcher(name)
+
+        return experts
+
+    def release(self) -> None:
+        """After sampling: park the expert in RAM if keep_in_ram_gb allows, else drop it."""
+        if self._switcher is not None:
+            self._switcher.release()
+            if not self.ram_budget:
+                self._switcher.close()
+        memory.after_release()
+
+    def close(self) -> None:
+        if self._switcher is not None:
+            self._switcher.close()
+            self._switcher = None
+
+
+class LingBotExpertsLoader:
+    DESCRIPTION = (
+        "Picks the high-noise and low-noise LingBot-World experts (NF4 repack folders, diffusers "
+        "folders or single .safetensors). Checks them from their headers now; the sampler streams "
+        "one expert at a time onto the GPU."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = (EXPERTS,)
+    RETURN_NAMES = ("experts",)
+    OUTPUT_TOOLTIPS = ("Expert paths and load settings; nothing is loaded until the sampler runs.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        choices = expert_choices() or [NO_EXPERTS]
+        return {
+            "required": {
+                "high_noise_expert": (choices, {
+                    "default": _default(choices, "high"),
+                    "tooltip": "High-noise expert from models/diffusion_models: a folder such as "
+                    "lingbot-world-base-cam-nf4/high_noise_model_bnb_nf4, or one .safetensors file.",
+                }),
+                "low_noise_expert": (choices, {
+                    "default": _default(choices, "low"),
+                    "tooltip": "Low-noise expert, same forms as the high-noise one.",
+                }),
+                "quantize_to_nf4": ("BOOLEAN", {
+                    "default": False,
+                    "tooltip": "Quantize bf16/fp32 experts to NF4 while streaming them in (~3.9x less "
+                    "memory). NF4 checkpoints are used as stored either way.",
+                }),
+                "keep_in_ram_gb": ("FLOAT", {
+                    "default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
+                    "tooltip": "Host RAM allowed for parking experts between phases and runs "
+                    "(an NF4 expert needs ~10 GB). 0 = drop each expert and stream it from disk again.",
+                }),
+            },
+            "optional": {
+                "ckpt_dir": ("STRING", {
+                    "default": "",
+                    "tooltip": "Optional checkpoint folder holding high_noise_model(_bnb_nf4)/ and "
+                    "low_noise_model(_bnb_nf4)/; when set it replaces the two lists above.",
+                }),
+            },
+        }  # fmt: skip
+
+    def load(self, high_noise_expert, low_noise_expert, quantize_to_nf4, keep_in_ram_gb, ckpt_dir=""):
+        if ckpt_dir.strip():
+            paths = find_experts(Path(ckpt_dir.strip()).expanduser())
+        else:
+            if NO_EXPERTS in (high_noise_expert, low_noise_expert):
+                raise FileNotFoundError(
+                    "no experts found in the diffusion_models folders "
+                    f"({', '.join(_roots(MODELS_KIND))}); put the NF4 expert folders there or set ckpt_dir"
+                )
+            paths = {
+                "high": resolve_model(MODELS_KIND, high_noise_expert),
+                "low": resolve_model(MODELS_KIND, low_noise_expert),
+            }
+        sources = {k: detect_expert_format(p) for k, p in paths.items()}
+        high, low = sources["high"].dit_config, sources["low"].dit_config
+        if high != low:
+            diff = {f: (getattr(high, f), getattr(low, f)) for f in high.__dataclass_fields__}
+            diff = {f: v for f, v in diff.items() if v[0] != v[1]}
+            raise ValueError(
+                f"the experts do not match ({paths['high']} vs {paths['low']}): "
+                + ", ".join(f"{f} high={a!r} low={b!r}" for f, (a, b) in diff.items())
+            )
+        handle = ExpertsHandle(
+            paths=paths,
+            control_type=high.control_type,
+            text_dim=high.text_dim,
+            nbytes={k: s.nbytes for k, s in sources.items()},
+            quantize=True if quantize_to_nf4 else None,
+            ram_budget=int(keep_in_ram_gb * memory.GIB),
+        )
+        return (handle,)

@@ -1,0 +1,184 @@
+"""Sampler node: image + text + camera -> video latent, one expert on the device at a time."""
+
+import logging
+
+import torch
+
+from ..wan import i2v, pipeline
+from ..wan.config import SampleConfig
+from ..wan.schedulers import SCHEDULERS
+from . import memory
+from .camera import CAMERA
+from .models import CATEGORY, EXPERTS
+from .text import TEXT
+from .vae import VAE, to_comfy_latent
+
+DEFAULTS = SampleConfig()
+SIZING = ("max_area", "explicit")
+log = logging.getLogger("LingBot-World")
+
+
+def parse_area(text: str) -> int:
+    """'480*832' (or 480x832) -> pixel budget, as upstream's --size."""
+    try:
+        h, w = (int(v) for v in text.lower().replace("x", "*").split("*"))
+    except ValueError:
+        raise ValueError(f"max_area must look like 480*832, got {text!r}") from None
+    if h <= 0 or w <= 0:
+        raise ValueError(f"max_area must be positive, got {text!r}")
+    return h * w
+
+
+def image_to_input(image: torch.Tensor) -> torch.Tensor:
+    """ComfyUI IMAGE [B, H, W, C] in 0..1 -> the first image as [3, H, W] in [-1, 1], upstream's
+    to_tensor().sub_(0.5).div_(0.5) on the same float values."""
+    if image.dim() != 4 or image.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"image: expected an IMAGE [B, H, W, C], got shape {list(image.shape)}")
+    if min(image.shape[1:3]) < i2v.MIN_IMAGE_SIDE:
+        raise ValueError(
+            f"image: must be at least {i2v.MIN_IMAGE_SIDE} pixels a side, got {list(image.shape[1:3])}"
+        )
+    first = image[0, :, :, :3].float().cpu()
+    if first.shape[-1] == 1:
+        first = first.expand(-1, -1, 3)
+    return first.permute(2, 0, 1).contiguous().sub_(0.5).div_(0.5)
+
+
+def working_bytes(lat_f: int, lat_h: int, lat_w: int, dim: int = 5120, ffn_dim: int = 13824) -> int:
+    """Rough activation memory of one DiT step (fp32 residual stream + FFN hidden + latents), asked
+    of ComfyUI on top of an expert's weights. Overestimating only unloads more of ComfyUI's models."""
+    tokens = i2v.seq_len(lat_f, lat_h, lat_w)
+    return tokens * (4 * dim + 2 * ffn_dim) * 4 + memory.GIB
+
+
+class LingBotSampler:
+    DESCRIPTION = (
+        "LingBot-World image-to-video sampling: upstream's dual-expert flow-matching loop with CFG. The "
+        "high-noise expert runs the first steps, then it is dropped and the low-noise expert streamed in."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "sample"
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+    OUTPUT_TOOLTIPS = ("Video latent [1, 16, (frames-1)/4+1, H/8, W/8] (Wan2.1 VAE space).",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "experts": (EXPERTS, {"tooltip": "From LingBot Experts Loader."}),
+                "text": (TEXT, {"tooltip": "From LingBot Text Encode."}),
+                "vae": (VAE, {"tooltip": "From LingBot VAE Loader (encodes the first frame)."}),
+                "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
+                "sizing": (list(SIZING), {
+                    "default": "max_area",
+                    "tooltip": "max_area: upstream's sizing, the image's aspect within a pixel budget, sides "
+                    "multiples of 16 (a 480x832 image at 480*832 gives 464x832, as upstream). explicit: "
+                    "width x height below.",
+                }),
+                "max_area": ("STRING", {
+                    "default": "480*832",
+                    "tooltip": "Pixel budget h*w for max_area sizing, e.g. 480*832 or 720*1280.",
+                }),
+                "width": ("INT", {
+                    "default": 832, "min": 16, "max": 4096, "step": 16,
+                    "tooltip": "explicit sizing: output width, a multiple of 16.",
+                }),
+                "height": ("INT", {
+                    "default": 480, "min": 16, "max": 4096, "step": 16,
+                    "tooltip": "explicit sizing: output height, a multiple of 16.",
+                }),
+                "frame_num": ("INT", {
+                    "default": DEFAULTS.frame_num, "min": 1, "max": 1601, "step": 4,
+                    "tooltip": "Frames to generate, 4n+1 (81 = 5 s at 16 fps). A pose file with fewer "
+                    "poses caps it; an action string sets it (wire the camera node's frame_num).",
+                }),
+                "steps": ("INT", {
+                    "default": DEFAULTS.sample_steps, "min": 1, "max": 1000,
+                    "tooltip": "Sampling steps (upstream: 70).",
+                }),
+                "shift": ("FLOAT", {
+                    "default": DEFAULTS.sample_shift, "min": 0.0, "max": 100.0, "step": 0.1,
+                    "tooltip": "Flow-matching timestep shift (upstream: 10).",
+                }),
+                "boundary": ("FLOAT", {
+                    "default": DEFAULTS.boundary, "min": 0.0, "max": 1.0, "step": 0.001,
+                    "tooltip": "Timesteps t >= boundary*1000 use the high-noise expert (upstream: 0.947).",
+                }),
+                "guide_scale_low": ("FLOAT", {
+                    "default": DEFAULTS.guide_scale[0], "min": 0.0, "max": 50.0, "step": 0.1,
+                    "tooltip": "CFG scale of the low-noise expert's steps (upstream: 5).",
+                }),
+                "guide_scale_high": ("FLOAT", {
+                    "default": DEFAULTS.guide_scale[1], "min": 0.0, "max": 50.0, "step": 0.1,
+                    "tooltip": "CFG scale of the high-noise expert's steps (upstream: 5).",
+                }),
+                "seed": ("INT", {
+                    "default": DEFAULTS.seed, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+                    "tooltip": "Noise seed. Noise is drawn on the sampling device, so GPU and CPU differ.",
+                }),
+                "solver": (list(SCHEDULERS), {
+                    "default": DEFAULTS.solver,
+                    "tooltip": "unipc: upstream's multistep solver. euler: plain flow-matching Euler.",
+                }),
+            },
+            "optional": {
+                "camera": (CAMERA, {"tooltip": "From LingBot Camera. Without it the experts run with no camera input."}),
+            },
+        }  # fmt: skip
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, max_area=None, frame_num=None):
+        """Checked when the prompt is queued, before anything runs (a linked value arrives as None)."""
+        try:
+            if isinstance(max_area, str):
+                parse_area(max_area)
+        except ValueError as e:
+            return str(e)
+        if frame_num is not None:
+            return i2v.frame_num_issue(frame_num) or True
+        return True
+
+    def sample(self, experts, text, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
+               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None):  # fmt: skip
+        issue = i2v.frame_num_issue(frame_num)
+        if issue:
+            raise ValueError(issue)
+        if text.context.shape[-1] != experts.text_dim:
+            raise ValueError(
+                f"text: embeddings have width {text.context.shape[-1]}, the experts expect {experts.text_dim} "
+                "(this text encoder does not belong to these experts)"
+            )
+        img = image_to_input(image)
+        if sizing == "max_area":
+            size = i2v.latent_size(img.shape[1], img.shape[2], parse_area(max_area))
+        else:
+            size = i2v.explicit_size(width, height)
+        device = memory.torch_device()
+        cam = None
+        if camera is not None:
+            cam, frame_num = camera.pack(experts.control_type, frame_num, size, device)
+        settings = SampleConfig(
+            sample_shift=shift, sample_steps=steps, boundary=boundary,
+            guide_scale=(guide_scale_low, guide_scale_high), frame_num=frame_num, solver=solver, seed=seed,
+        )  # fmt: skip
+        lat_h, lat_w = size[:2]
+        work = working_bytes(i2v.latent_frames(frame_num), lat_h, lat_w)
+        hooks, phases = memory.sampling_hooks(steps)
+        try:
+            latent = pipeline.sample(
+                img, text.context, text.context_null, vae, experts.provider(device, work), experts.release,
+                size, frame_num, settings, cam=cam, device=device, hooks=hooks,
+            )  # fmt: skip
+        except BaseException as e:
+            experts.close()  # errors and interrupts also drop what keep_in_ram_gb parked
+            log.info("LingBot-World sampling stopped (%s); experts released", type(e).__name__)
+            raise
+        finally:
+            del cam
+            memory.after_release()
+        log.info(
+            "LingBot-World sampling, %d frames at %dx%d:\n%s", frame_num, size[3], size[2], phases.table()
+        )
+        samples = to_comfy_latent(vae.model, latent.cpu()).to(memory.intermediate_device())
+        return ({"samples": samples},)

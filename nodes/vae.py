@@ -1,0 +1,132 @@
+"""Wan2.1 VAE loader and decode nodes, and the LATENT convention shared with ComfyUI.
+
+A LATENT's "samples" hold ComfyUI's Wan2.1 convention, un-normalised VAE space [B, 16, T, h, w]
+(what core VAE Encode gives and core VAE Decode takes); our pipeline works on normalised latents,
+so the sampler and the decoder convert at the boundary.
+"""
+
+from dataclasses import dataclass
+
+import folder_paths
+import torch
+
+from ..loaders.vae import load_vae
+from ..wan.vae import SPATIAL_STRIDE, TEMPORAL_STRIDE, WanVAE
+from . import memory
+from .models import CATEGORY, resolve_model
+
+VAE = "LINGBOT_VAE"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _stats(vae: WanVAE, device):
+    mean = torch.tensor(vae.latent_mean, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+    std = torch.tensor(vae.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+    return mean, std
+
+
+def to_comfy_latent(vae: WanVAE, latent: torch.Tensor) -> torch.Tensor:
+    """Normalised [16, T, h, w] -> ComfyUI's un-normalised [1, 16, T, h, w]."""
+    mean, std = _stats(vae, latent.device)
+    return (latent.float() * std + mean)[None]
+
+
+def from_comfy_latent(vae: WanVAE, samples: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's un-normalised [16, T, h, w] -> normalised, as WanVAE.decode takes it."""
+    mean, std = _stats(vae, samples.device)
+    return (samples.float() - mean) / std
+
+
+@dataclass
+class VAEHandle:
+    """What flows on a LINGBOT_VAE link: the model, kept on the CPU between uses."""
+
+    model: WanVAE
+    device: torch.device
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """For wan.pipeline.sample: on the VAE device only while encoding."""
+        frames, h, w = video.shape[1:]
+        work = self.model.decode_bytes_per_latent_pixel() * (h // SPATIAL_STRIDE) * (w // SPATIAL_STRIDE)
+        with memory.on_device(self.model, self.device, work):
+            return self.model.encode(video).to("cpu")
+
+    def decode(self, latent: torch.Tensor, tile) -> torch.Tensor:
+        """Normalised [16, T, h, w] -> video [3, F, H, W] in [-1, 1] on the intermediate device."""
+        z_t, h, w = latent.shape[1:]
+        out = 3 * (TEMPORAL_STRIDE * (z_t - 1) + 1) * h * w * SPATIAL_STRIDE**2 * 4
+        work = self.model.decode_bytes_per_latent_pixel() * h * w + out  # whole-frame decode
+        with memory.on_device(self.model, self.device, work):
+            return self.model.decode(latent, tile=tile, out_device=memory.intermediate_device())
+
+
+class LingBotVAELoader:
+    DESCRIPTION = "Loads the Wan2.1 VAE (upstream Wan2.1_VAE.pth or ComfyUI's wan_2.1_vae.safetensors)."
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = (VAE,)
+    RETURN_NAMES = ("vae",)
+    OUTPUT_TOOLTIPS = ("The VAE, kept on the CPU and moved to the GPU only to encode or decode.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "vae_name": (folder_paths.get_filename_list("vae"), {
+                    "tooltip": "Wan2.1 VAE from models/vae (z_dim 16; the Wan2.2 5B VAE does not fit).",
+                }),
+                "dtype": (list(DTYPES), {
+                    "default": "fp32",
+                    "tooltip": "fp32 as upstream; bf16 halves its memory at a small cost in accuracy.",
+                }),
+            },
+        }  # fmt: skip
+
+    def load(self, vae_name, dtype):
+        model = load_vae(resolve_model("vae", vae_name), device="cpu", dtype=DTYPES[dtype])
+        return (VAEHandle(model, memory.vae_device()),)
+
+
+class LingBotVAEDecode:
+    DESCRIPTION = "Decodes a LingBot-World (or any Wan2.1) video latent into frames, tiled to fit the GPU."
+    CATEGORY = CATEGORY
+    FUNCTION = "decode"
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("images",)
+    OUTPUT_TOOLTIPS = ("Video frames [F, H, W, 3] in 0..1; feed Create Video + Save Video.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "vae": (VAE, {"tooltip": "From LingBot VAE Loader."}),
+                "samples": ("LATENT", {"tooltip": "Video latent [B, 16, T, h, w]; batches are decoded in turn."}),
+                "tiling": (["auto", "none", "custom"], {
+                    "default": "auto",
+                    "tooltip": "auto: tiles sized from free VRAM (whole frames on CPU). none: whole frames. "
+                    "custom: the tile size below.",
+                }),
+                "tile_height": ("INT", {
+                    "default": 64, "min": 24, "max": 1024, "step": 8,
+                    "tooltip": "custom tile height in latent pixels (x8 output pixels); tiles overlap by 16.",
+                }),
+                "tile_width": ("INT", {
+                    "default": 64, "min": 24, "max": 1024, "step": 8,
+                    "tooltip": "custom tile width in latent pixels (x8 output pixels).",
+                }),
+            },
+        }  # fmt: skip
+
+    def decode(self, vae, samples, tiling, tile_height, tile_width):
+        latents = samples["samples"]
+        if latents.dim() != 5:
+            raise ValueError(
+                f"samples: expected a video latent [B, 16, T, h, w], got shape {list(latents.shape)}"
+            )
+        tile = {"auto": "auto", "none": None}.get(tiling, (tile_height, tile_width))
+        frames = []
+        for latent in latents:
+            video = vae.decode(from_comfy_latent(vae.model, latent), tile)
+            frames.append(((video + 1) / 2).permute(1, 2, 3, 0))
+            del video
+        return (torch.cat(frames).to(memory.intermediate_device()),)

@@ -1,0 +1,192 @@
+"""Run a real ComfyUI server on the CPU for the integration tests, and talk to it over HTTP.
+
+Also converts a UI-format (v0.4) workflow to the API format with the server's /object_info, the
+way ComfyUI's frontend does for "Export (API)": widget values are matched to the node's widget
+inputs in declaration order (required, then optional), a seed's control_after_generate and an
+image upload button each take one extra slot.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_widget(spec) -> bool:
+    kind = spec[0]
+    return isinstance(kind, list) or kind in WIDGET_TYPES
+
+
+def ui_to_api(ui: dict, object_info: dict) -> dict:
+    """UI workflow -> API prompt {id: {class_type, inputs, _meta}}; muted/bypassed nodes left out."""
+    links = {link[0]: link for link in ui["links"]}
+    api = {}
+    for node in ui["nodes"]:
+        if node.get("mode", 0) in (2, 4):
+            continue
+        info = object_info[node["type"]]
+        specs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
+        linked = {i["name"]: links[i["link"]] for i in node.get("inputs", []) if i.get("link") is not None}
+        values = list(node.get("widgets_values") or [])
+        inputs = {}
+        for name, spec in specs.items():
+            if _is_widget(spec):
+                value = values.pop(0)  # a widget turned into an input keeps its slot
+                opts = spec[1] if len(spec) > 1 else {}
+                if opts.get("control_after_generate") or opts.get("image_upload"):
+                    values.pop(0)
+                if name not in linked:
+                    inputs[name] = value
+            if name in linked:
+                link = linked[name]
+                inputs[name] = [str(link[1]), link[2]]
+        if values:
+            raise ValueError(f"node {node['id']} ({node['type']}): unused widget values {values}")
+        api[str(node["id"])] = {
+            "class_type": node["type"],
+            "inputs": inputs,
+            "_meta": {"title": node.get("title") or info["display_name"]},
+        }
+    return api
+
+
+class Server:
+    """`python main.py --cpu` on a free loopback port, with its own input/output/user folders.
+    COMFYUI_TEST_GPU=1 leaves out --cpu (same tiny models, on the GPU)."""
+
+    def __init__(self, comfy_dir: Path, python: str, root: Path, extra_paths_yaml: Path):
+        self.root = root
+        self.input_dir, self.output_dir = root / "input", root / "output"
+        for d in (self.input_dir, self.output_dir, root / "temp", root / "user"):
+            d.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = root / "comfyui.log"
+        env = {**os.environ, "LINGBOT_WORLD_CACHE": str(root / "cache"), "PYTHONUNBUFFERED": "1"}
+        device = [] if os.environ.get("COMFYUI_TEST_GPU") == "1" else ["--cpu"]
+        cmd = [
+            python, "main.py", *device, "--listen", "127.0.0.1", "--port", str(self.port),
+            "--extra-model-paths-config", str(extra_paths_yaml),
+            "--input-directory", str(self.input_dir), "--output-directory", str(self.output_dir),
+            "--temp-directory", str(root / "temp"), "--user-directory", str(root / "user"),
+            "--database-url", "sqlite:///:memory:", "--preview-method", "latent2rgb", "--disable-auto-launch",
+        ]  # fmt: skip
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=comfy_dir, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def log(self, lines: int = 60) -> str:
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, timeout: float = 150.0) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with status {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.get("/system_stats")
+                return
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        raise TimeoutError(f"ComfyUI did not answer within {timeout:g} s:\n{self.log()}")
+
+    def request(self, path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw = r.read()
+        return json.loads(raw) if raw else None
+
+    def get(self, path: str):
+        return self.request(path)
+
+    def submit(self, prompt: dict) -> tuple[int, dict]:
+        """POST /prompt -> (HTTP status, reply); 400 carries ComfyUI's validation errors."""
+        try:
+            return 200, self.request("/prompt", {"prompt": prompt, "client_id": "lingbot-test"})
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def queue_prompt(self, prompt: dict) -> str:
+        status, reply = self.submit(prompt)
+        assert status == 200 and not reply.get("node_errors"), f"/prompt rejected the workflow: {reply}"
+        return reply["prompt_id"]
+
+    def wait_history(self, prompt_id: str, timeout: float) -> dict:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry and entry.get("status", {}).get("completed") is not None:
+                if entry["status"]["status_str"] in ("success", "error"):
+                    return entry
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ComfyUI died:\n{self.log()}")
+            time.sleep(0.5)
+        raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout:g} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def build_models(root: Path, pack_root: Path) -> Path:
+    """A models folder in ComfyUI's usual layout from the tiny demo checkpoint, with the file names
+    the shipped workflow expects; returns the extra_model_paths yaml for it (pack under an odd name)."""
+    from lingbot_world.loaders.demo_assets import ensure_demo_checkpoint
+    from lingbot_world.loaders.synthetic_text import spiece_model_bytes, write_hf_safetensors
+    from safetensors.torch import save_file
+
+    ckpt = ensure_demo_checkpoint(root / "demo")
+    models = root / "models"
+    experts = models / "diffusion_models" / "lingbot-world-base-cam-nf4"
+    for name in ("high_noise_model_bnb_nf4", "low_noise_model_bnb_nf4"):
+        shutil.copytree(ckpt / name, experts / name)
+    (models / "text_encoders").mkdir(parents=True)
+    t5 = torch.load(ckpt / "models_t5_umt5-xxl-enc-bf16.pth", map_location="cpu", weights_only=True)
+    write_hf_safetensors(
+        models / "text_encoders" / "umt5_xxl_fp16.safetensors",
+        t5,
+        spiece=spiece_model_bytes(),
+        dtype=torch.float16,
+    )
+    (models / "vae").mkdir(parents=True)
+    vae = torch.load(ckpt / "Wan2.1_VAE.pth", map_location="cpu", weights_only=True)
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in vae.items()},
+        models / "vae" / "wan_2.1_vae.safetensors",
+    )
+
+    nodes = root / "custom_nodes"
+    nodes.mkdir()
+    (nodes / "My LingBot-World pack (any name)").symlink_to(pack_root, target_is_directory=True)
+    yaml = root / "extra_model_paths.yaml"
+    yaml.write_text(
+        "lingbot_test:\n"
+        f"  base_path: {root}\n"
+        "  custom_nodes: custom_nodes\n"
+        "  diffusion_models: models/diffusion_models\n"
+        "  text_encoders: models/text_encoders\n"
+        "  vae: models/vae\n"
+    )
+    return yaml

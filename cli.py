@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import monitor
-from .loaders import camera_files, checkpoints, demo_assets, text_encode, video
+from .loaders import camera_files, checkpoints, demo_assets, monitor, text_encode, video
 from .loaders.experts import ExpertSwitcher
 from .loaders.vae import load_vae
 from .wan import actions, camera, i2v, pipeline
@@ -43,12 +42,18 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--image", type=Path, required=True)
     p.add_argument("--prompt", required=True)
     p.add_argument("--n_prompt", default="", help="negative prompt; empty = upstream's default")
-    p.add_argument("--action_path", type=Path, help="folder with poses.npy + intrinsics.npy (and action.npy for Act)")
+    p.add_argument(
+        "--action_path", type=Path, help="folder with poses.npy + intrinsics.npy (and action.npy for Act)"
+    )
     p.add_argument("--action_string", help="act2cam keys, e.g. 'w-10,a-10,iw-15,none-10' (Cam model)")
-    p.add_argument("--allow_act2cam", action="store_true", help="drive the Cam model from wasd/ijkl_action.npy")
+    p.add_argument(
+        "--allow_act2cam", action="store_true", help="drive the Cam model from wasd/ijkl_action.npy"
+    )
     p.add_argument("--size", type=parse_size, default=DEFAULTS.max_area, help="max pixel area, e.g. 480*832")
     p.add_argument("--frame_num", type=int, default=None, help=f"4n+1 frames (default {DEFAULTS.frame_num})")
-    p.add_argument("--sampling_steps", "--sample_steps", dest="steps", type=int, default=DEFAULTS.sample_steps)
+    p.add_argument(
+        "--sampling_steps", "--sample_steps", dest="steps", type=int, default=DEFAULTS.sample_steps
+    )
     p.add_argument("--sample_shift", type=float, default=DEFAULTS.sample_shift)
     p.add_argument("--boundary", type=float, default=DEFAULTS.boundary)
     p.add_argument(
@@ -58,7 +63,9 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--solver", "--sample_solver", dest="solver", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--fps", type=int, default=DEFAULTS.sample_fps)
-    p.add_argument("--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)")
+    p.add_argument(
+        "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quantize", action="store_true", help="quantize bf16 experts to NF4 while loading")
@@ -108,14 +115,18 @@ def camera_plan(args):
     """
     if args.action_string or args.allow_act2cam:
         if not args.action_path:
-            raise ValueError("--action_string/--allow_act2cam need --action_path for intrinsics.npy (as upstream)")
+            raise ValueError(
+                "--action_string/--allow_act2cam need --action_path for intrinsics.npy (as upstream)"
+            )
         files = camera_files.load_camera_dir(args.action_path, require_poses=False)
         if args.action_string:
             plan = actions.act2cam_trajectory(action_string=args.action_string, frame_num=args.frame_num)
         elif "wasd" not in files:
             raise ValueError(f"--allow_act2cam: {args.action_path} has no wasd_action.npy")
         else:
-            plan = actions.act2cam_trajectory(wasd=files["wasd"], ijkl=files.get("ijkl"), frame_num=args.frame_num)
+            plan = actions.act2cam_trajectory(
+                wasd=files["wasd"], ijkl=files.get("ijkl"), frame_num=args.frame_num
+            )
         return plan.poses, files["intrinsics"], None, plan.frame_num, True
     frame_num = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
     i2v.latent_frames(frame_num)  # raises unless 4n+1, naming the nearest valid counts
@@ -124,7 +135,9 @@ def camera_plan(args):
     files = camera_files.load_camera_dir(args.action_path)
     used = camera.used_frame_count(len(files["poses"]), frame_num)
     if used < frame_num:
-        print(f"note: {args.action_path} has {len(files['poses'])} poses; generating {used} frames (upstream truncates)")
+        print(
+            f"note: {args.action_path} has {len(files['poses'])} poses; generating {used} frames (upstream truncates)"
+        )
     return files["poses"], files["intrinsics"], files.get("action"), used, False
 
 
@@ -160,7 +173,9 @@ def run_generate(args) -> int:
     image = load_image(args.image)
     poses, intrinsics, act, frame_num, act2cam = camera_plan(args)
     if poses is not None and files.control_type is None:
-        raise ValueError(f"{args.ckpt_dir}: plain Wan2.2 i2v experts have no camera layers; drop the camera input")
+        raise ValueError(
+            f"{args.ckpt_dir}: plain Wan2.2 i2v experts have no camera layers; drop the camera input"
+        )
     settings = SampleConfig(
         sample_shift=args.sample_shift, sample_steps=args.steps, boundary=args.boundary,
         guide_scale=guide_pair(args.guide_scale), sample_fps=args.fps, frame_num=frame_num,
@@ -198,9 +213,10 @@ def run_generate(args) -> int:
     finally:
         bar.close()
         switcher.close()
-    del vae
     with log.phase("write_mp4"):
-        video.write_mp4(pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite)
+        video.write_mp4(
+            pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite
+        )
     print(log.table())
     if args.report:
         args.report.write_text(json.dumps([r.as_dict() for r in log.records], indent=1))

@@ -56,7 +56,7 @@ def _device(name):
 
 def _memory_report(sampler, device) -> dict:
     import torch
-    from lingbot_world.loaders.synthetic import proc_status
+    from lingbot_world.loaders.monitor import proc_status
 
     status = proc_status()
     out = {
@@ -74,7 +74,7 @@ def _memory_report(sampler, device) -> dict:
 
 def child_io_floor(src, device, staging=256 << 20) -> dict:
     import torch
-    from lingbot_world.loaders.synthetic import RssSampler
+    from lingbot_world.loaders.monitor import RssSampler
 
     total = sum(f.stat().st_size for f in src.files)
     with RssSampler() as sampler:
@@ -114,7 +114,7 @@ def child_ours(src, device, staging) -> dict:
     import torch
     from lingbot_world.loaders import stream
     from lingbot_world.loaders.formats import detect_expert_format
-    from lingbot_world.loaders.synthetic import RssSampler
+    from lingbot_world.loaders.monitor import RssSampler
 
     with RssSampler() as sampler:
         t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def child_baseline(src, device, progress) -> dict:
     import bitsandbytes as bnb
     import torch
     from bitsandbytes.functional import QuantState
-    from lingbot_world.loaders.synthetic import RssSampler
+    from lingbot_world.loaders.monitor import RssSampler
     from lingbot_world.wan.dit import WanModel
     from safetensors.torch import load_file
     from torch import nn
@@ -232,7 +232,7 @@ def run_child(args) -> None:
 
 def spawn(args, mode, ckpt, workdir, cap_bytes=None, timeout=None, staging_mb=None) -> dict:
     """Run one measurement in a fresh process; kill it past cap_bytes of anonymous RSS or timeout."""
-    from lingbot_world.loaders.synthetic import proc_status
+    from lingbot_world.loaders.monitor import proc_status
 
     result, progress = workdir / f"{mode}.json", workdir / f"{mode}.progress"
     for p in (result, progress):

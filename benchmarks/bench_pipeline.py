@@ -71,6 +71,12 @@ def main() -> int:
         ckpt = demo_assets.ensure_demo_checkpoint(args.workdir)
         size, frames = "64*112", 9
     device = "cuda" if cuda else "cpu"
+    try:
+        import av  # noqa: F401
+    except ImportError:  # a bare GPU box: measure everything but the MP4 encode
+        from lingbot_world.loaders import video
+
+        video.write_mp4 = lambda *a, **k: print("PyAV absent: MP4 not written")
     if cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * (1 << 30) / total))

@@ -145,7 +145,9 @@ def bench_decode(vae, size, scale, overlap, device, record, baseline):
     if size == "720p" and device.type == "cuda":
         # What 'auto' does on a 24 GiB card: the cap makes free_vram() see at most 24 GiB.
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total), device)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, CAP_BYTES / total), torch.device(device).index or 0
+        )
         name = "decode_720p_auto_24gib_cap"
         try:
             budget = V.free_vram(device) - out_bytes
@@ -164,7 +166,7 @@ def bench_decode(vae, size, scale, overlap, device, record, baseline):
         except torch.cuda.OutOfMemoryError as e:
             record(name, float("nan"), None, None, oom=str(e).splitlines()[0])
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device).index or 0)
 
 
 def main(argv=None) -> int:

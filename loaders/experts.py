@@ -5,22 +5,15 @@ or parked in host RAM while the parked total stays under `ram_budget` bytes, whi
 runs (ComfyUI queues, CLI batches) skip the disk read at the cost of that RAM.
 """
 
-import gc
 from pathlib import Path
 
 import torch
 
-from .stream import load_expert
+from .stream import free_memory, load_expert, release
 
 
 def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
-def free_device_memory():
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 class ExpertSwitcher:
@@ -70,11 +63,13 @@ class ExpertSwitcher:
         parked = sum(module_bytes(m) for m in self._parked.values())
         if parked + module_bytes(model) <= self.ram_budget:
             self._parked[name] = model.to("cpu")
-        del model
-        free_device_memory()
+            free_memory()
+        else:
+            release(model)  # frees its weights now, whoever else still holds the module
 
     def close(self):
         """Release everything, parked experts included."""
         self.release()
+        for model in self._parked.values():
+            release(model)
         self._parked.clear()
-        free_device_memory()

@@ -5,7 +5,6 @@ import os
 from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
 import torch
 
@@ -22,6 +21,8 @@ def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int =
         raise ValueError(f"frames: expected uint8 [F, H, W, 3], got {array.dtype} {list(array.shape)}")
     if array.shape[1] % 2 or array.shape[2] % 2:
         raise ValueError(f"frames: H.264 needs even height and width, got {array.shape[1]}x{array.shape[2]}")
+    import av  # imported here so the rest of the pack works where PyAV is absent
+
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.mp4")
     try:
         with av.open(str(tmp), "w") as container:
@@ -42,6 +43,8 @@ def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int =
 
 def read_mp4_info(path) -> dict:
     """Frame count, size and frame rate of an MP4, by decoding it (tests and the CLI summary)."""
+    import av
+
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         count = sum(1 for _ in container.decode(stream))

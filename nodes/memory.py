@@ -13,7 +13,7 @@ import comfy.model_management as mm
 import comfy.utils
 import torch
 
-from ..monitor import PhaseLog
+from ..loaders.monitor import PhaseLog
 from ..wan.pipeline import Hooks
 
 log = logging.getLogger("LingBot-World")

@@ -2,7 +2,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from lingbot_world.wan.config import A14B, DiTConfig
 from lingbot_world.wan.dit import WanModel, init_random_, rope_apply, rope_freqs
 

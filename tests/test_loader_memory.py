@@ -27,7 +27,7 @@ import json, sys
 sys.path.insert(0, sys.argv[1])
 from lingbot import load_pack
 load_pack()
-from lingbot_world.loaders import formats as F, stream, synthetic as S
+from lingbot_world.loaders import formats as F, monitor as M, stream, synthetic as S
 
 tiny, nf4, bf16 = sys.argv[2:5]
 
@@ -49,7 +49,7 @@ def model_bytes(model):
 
 def measured_load(path, **kw):
     src = F.detect_expert_format(path)
-    with S.RssSampler() as s:
+    with M.RssSampler() as s:
         model = stream.load_expert(src, "cpu", **kw)
     out = dict(growth=s.growth, model=model_bytes(model), largest=src.largest_tensor_bytes, file=src.nbytes)
     stream.release(model)
@@ -58,15 +58,15 @@ def measured_load(path, **kw):
 
 def failed_load(path, fail):
     stream.free_memory()
-    before = S.proc_status()["RssAnon"]
-    with S.RssSampler() as s:
+    before = M.proc_status()["RssAnon"]
+    with M.RssSampler() as s:
         try:
             fail()
             message = None
         except (RuntimeError, ValueError) as e:
             message = str(e)
     stream.free_memory()
-    return dict(before=before, after=S.proc_status()["RssAnon"], peak_growth=s.growth, message=message)
+    return dict(before=before, after=M.proc_status()["RssAnon"], peak_growth=s.growth, message=message)
 
 
 for kw in ({}, {"quantize": True}):  # warm-up: lazy imports, bnb kernels, allocator pools
@@ -74,7 +74,7 @@ for kw in ({}, {"quantize": True}):  # warm-up: lazy imports, bnb kernels, alloc
 
 out = {"nf4": measured_load(nf4), "quantize": measured_load(bf16, quantize=True)}
 
-with S.RssSampler() as s:  # the measure catches a whole-file read
+with M.RssSampler() as s:  # the measure catches a whole-file read
     data = open(nf4 + "/model.safetensors", "rb").read()
 out["read_file"] = dict(growth=s.growth)
 del data

@@ -207,17 +207,22 @@ def test_load_errors_name_the_file(tmp_path, ckpts):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+GPU_CFG = S.tiny_config(dim=256, ffn_dim=512, text_dim=64, freq_dim=64)
+
+
 @pytest.mark.gpu
 @gpu
-def test_cuda_load_matches_cpu_and_frees_on_error(ckpts, monkeypatch):
+def test_cuda_load_matches_cpu_and_frees_on_error(tmp_path, monkeypatch):
     from lingbot_world.loaders import stream
 
+    ckpts = {"nf4": S.write_nf4_expert(tmp_path / "nf4", GPU_CFG, seed=SEED, mode="quantize")}
     cpu = load_expert(ckpts["nf4"], "cpu")
     for staging in (None, 0, 1000):
         model = load_expert(ckpts["nf4"], "cuda", staging_bytes=staging)
         for (name, p), q in zip(params(cpu).items(), params(model).values(), strict=True):
-            assert q.device.type == "cuda" and torch.equal(p, q.cpu()), name
-        x, t, ctx, y, cam = (None if v is None else v.cuda() for v in inputs(CFG))
+            # .data: Params4bit.cpu() would move the layer's shared quant_state to the CPU in place
+            assert q.device.type == "cuda" and torch.equal(p.data, q.data.cpu()), name
+        x, t, ctx, y, cam = (None if v is None else v.cuda() for v in inputs(GPU_CFG))
         with torch.no_grad():
             out = model(x, t, ctx, y=y, cam=cam)
         assert out.shape == (16, 2, 4, 4)

@@ -7,7 +7,6 @@ import weakref
 import numpy as np
 import pytest
 import torch
-
 from lingbot_world import cli
 from lingbot_world.loaders import checkpoints, demo_assets, synthetic
 from lingbot_world.loaders.experts import ExpertSwitcher
@@ -69,7 +68,9 @@ def test_cli_generate_upstream_layout(upstream_ckpt, shipped_example, tmp_path, 
 
 def test_action_string_drives_the_cam_model(nf4_ckpt, shipped_example, tmp_path):
     out = tmp_path / "keys.mp4"
-    args = generate_args(nf4_ckpt, shipped_example, out, "--action_string", "w-3,l-2", "--t5_mode", "inprocess")
+    args = generate_args(
+        nf4_ckpt, shipped_example, out, "--action_string", "w-3,l-2", "--t5_mode", "inprocess"
+    )
     args[args.index("--frame_num") : args.index("--frame_num") + 2] = []  # frames come from the string
     assert cli.main(args) == 0
     assert read_mp4_info(out)["frames"] == 5  # 5 key frames, already 4n+1
@@ -84,7 +85,10 @@ class Parts:
 
         self.image = i2v.image_to_tensor(Image.open(example / "image.jpg"))
         self.context, self.context_null = encode_prompts(
-            self.files.text_encoder, ["a castle", "blurry"], tokenizer_path=self.files.tokenizer, mode="inprocess"
+            self.files.text_encoder,
+            ["a castle", "blurry"],
+            tokenizer_path=self.files.tokenizer,
+            mode="inprocess",
         )
         self.vae = load_vae(self.files.vae)
         self.size = i2v.latent_size(self.image.shape[1], self.image.shape[2], 64 * 112)
@@ -180,7 +184,12 @@ def test_missing_files_are_listed_at_once(tmp_path, shipped_example, capsys):
     (tmp_path / "ckpt").mkdir()
     assert cli.main(generate_args(tmp_path / "ckpt", shipped_example, tmp_path / "o.mp4")) == 2
     err = capsys.readouterr().err
-    for needle in ("high_noise_model", "low_noise_model", "models_t5_umt5-xxl-enc-bf16.pth", "Wan2.1_VAE.pth"):
+    for needle in (
+        "high_noise_model",
+        "low_noise_model",
+        "models_t5_umt5-xxl-enc-bf16.pth",
+        "Wan2.1_VAE.pth",
+    ):
         assert needle in err
 
 
@@ -210,9 +219,7 @@ def test_existing_output_is_never_overwritten(nf4_ckpt, shipped_example, tmp_pat
     assert "--overwrite" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "flag, value", [("--size", "480x"), ("--guide_scale", "1 2 3"), ("--solver", "dpm")]
-)
+@pytest.mark.parametrize("flag, value", [("--size", "480x"), ("--guide_scale", "1 2 3"), ("--solver", "dpm")])
 def test_bad_arguments(nf4_ckpt, shipped_example, tmp_path, flag, value):
     args = generate_args(nf4_ckpt, shipped_example, tmp_path / "o.mp4")
     if flag in args:

@@ -1,7 +1,6 @@
 import numpy as np
 import pytest
 import torch
-
 from lingbot_world.loaders.video import read_mp4_info, write_mp4
 from lingbot_world.wan.pipeline import frames_to_uint8
 

@@ -159,9 +159,7 @@ class WanAttentionBlock(nn.Module):
         super().__init__()
         self.norm1 = WanLayerNorm(dim, eps)
         self.self_attn = WanSelfAttention(dim, num_heads, qk_norm, eps)
-        self.norm3 = (
-            WanLayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
-        )
+        self.norm3 = WanLayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
         self.cross_attn = WanCrossAttention(dim, num_heads, qk_norm, eps)
         self.norm2 = WanLayerNorm(dim, eps)
         self.ffn = nn.Sequential(
@@ -261,9 +259,7 @@ class WanModel(nn.Module):
         self.text_embedding = nn.Sequential(
             nn.Linear(text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim)
         )
-        self.time_embedding = nn.Sequential(
-            nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim)
-        )
+        self.time_embedding = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, dim * 6))
         self.blocks = nn.ModuleList(
             WanAttentionBlock(
@@ -302,9 +298,7 @@ class WanModel(nn.Module):
                 f"{self.control_type!r}, got {list(cam.shape)}"
             )
         p1, p2, p3 = self.patch_size
-        tokens = rearrange(
-            cam, "1 c (f c1) (h c2) (w c3) -> (f h w) (c c1 c2 c3)", c1=p1, c2=p2, c3=p3
-        )
+        tokens = rearrange(cam, "1 c (f c1) (h c2) (w c3) -> (f h w) (c c1 c2 c3)", c1=p1, c2=p2, c3=p3)
         c = linear(self.patch_embedding_wancamctrl, tokens, dtype)
         h = linear(self.c2ws_hidden_states_layer1, c, dtype)
         return c + linear(self.c2ws_hidden_states_layer2, F.silu(h), dtype)
@@ -354,7 +348,7 @@ class WanModel(nn.Module):
         c = self.out_dim
         u = x[: math.prod(grid)].view(*grid, *self.patch_size, c)
         u = torch.einsum("fhwpqrc->cfphqwr", u)
-        return u.reshape(c, *[i * j for i, j in zip(grid, self.patch_size)]).float()
+        return u.reshape(c, *[i * j for i, j in zip(grid, self.patch_size, strict=True)]).float()
 
 
 @torch.no_grad()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SampleConfig
 from . import i2v
+from .config import SampleConfig
 from .schedulers import expert_for_timestep, guide_scale_for, make_scheduler
 
 

@@ -469,6 +469,8 @@ def free_vram(device) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if device.index is None:  # the fraction getter needs an explicit index
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     avail = free + torch.cuda.memory_reserved(device) - allocated

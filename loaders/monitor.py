@@ -1,4 +1,4 @@
-"""Wall time, peak anonymous RSS and peak VRAM per phase, for the CLI summary and the benchmarks.
+"""Wall time, peak anonymous RSS and peak VRAM: the CLI's per-phase summary, tests and benchmarks.
 
 Anonymous RSS (RssAnon; pinned buffers included) is what the OOM killer weighs. File-backed pages of
 a memory-mapped safetensors file are reclaimable page cache, so they are reported apart (VmHWM).
@@ -13,48 +13,50 @@ import psutil
 import torch
 
 
-def _status_kb(field_name: str, pid="self") -> int | None:
+def proc_status(pid="self") -> dict:
+    """/proc/<pid>/status memory fields in bytes (RssAnon, RssFile, VmRSS, VmHWM, ...); {} off Linux."""
+    out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key] = int(parts[0]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    return out
 
 
 def rss_anon(pid="self") -> int:
     """Anonymous resident bytes of a process (Linux); plain RSS elsewhere."""
-    kb = _status_kb("RssAnon", pid)
-    if kb is not None:
-        return kb * 1024
-    proc = psutil.Process() if pid == "self" else psutil.Process(int(pid))
-    return proc.memory_info().rss
+    value = proc_status(pid).get("RssAnon")
+    if value is not None:
+        return value
+    return (psutil.Process() if pid == "self" else psutil.Process(int(pid))).memory_info().rss
 
 
-def vm_hwm(pid="self") -> int | None:
-    kb = _status_kb("VmHWM", pid)
-    return None if kb is None else kb * 1024
+class RssSampler:
+    """Samples anonymous RSS on a thread: `with RssSampler() as s: ...` then s.start_bytes, s.peak, s.growth."""
 
-
-class PeakSampler:
-    """Samples a process's anonymous RSS on a thread; `.peak` is the highest value seen."""
-
-    def __init__(self, pid="self", interval: float = 0.02):
-        self.pid, self.interval = pid, interval
-        self.start_value = self.peak = rss_anon(pid)
+    def __init__(self, interval: float = 0.002, pid="self"):
+        self.interval, self.pid = interval, pid
+        self.start_bytes = self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def sample(self) -> int:
+        rss = rss_anon(self.pid)
+        self.peak = max(self.peak, rss)
+        return rss
+
     def _run(self):
         while not self._stop.wait(self.interval):
-            try:
-                self.peak = max(self.peak, rss_anon(self.pid))
-            except (OSError, psutil.Error):
-                return
+            with contextlib.suppress(OSError, psutil.Error):
+                self.sample()
 
     def __enter__(self):
+        self.start_bytes = self.peak = self.sample()
         self._thread.start()
         return self
 
@@ -62,7 +64,11 @@ class PeakSampler:
         self._stop.set()
         self._thread.join()
         with contextlib.suppress(OSError, psutil.Error):
-            self.peak = max(self.peak, rss_anon(self.pid))
+            self.sample()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start_bytes
 
 
 @dataclass
@@ -98,7 +104,7 @@ class PhaseLog:
             torch.cuda.reset_peak_memory_stats()
         rec = PhaseRecord(name)
         t0 = time.perf_counter()
-        with PeakSampler() as sampler:
+        with RssSampler(interval=0.02) as sampler:
             try:
                 yield rec
             finally:
@@ -106,7 +112,7 @@ class PhaseLog:
                     torch.cuda.synchronize()
                     rec.peak_vram = torch.cuda.max_memory_allocated()
         rec.seconds = time.perf_counter() - t0
-        rec.peak_rss_anon, rec.rss_anon_start = sampler.peak, sampler.start_value
+        rec.peak_rss_anon, rec.rss_anon_start = sampler.peak, sampler.start_bytes
         self.records.append(rec)
 
     def table(self) -> str:
@@ -119,4 +125,3 @@ class PhaseLog:
         total = sum(r["seconds"] for r in rows)
         lines.append(f"{'total':<16}{total:>9.2f}")
         return "\n".join(lines)
-

@@ -1,0 +1,57 @@
+"""The pack loads from any folder name, the way ComfyUI imports custom nodes (by path, no sys.path)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_imports_under_any_folder_name(tmp_path):
+    folder = tmp_path / "My LingBot-World pack (v2)"
+    folder.symlink_to(ROOT, target_is_directory=True)
+    # A fresh interpreter, as ComfyUI's loader does it: module name = folder name, nothing on sys.path.
+    code = f"""
+import importlib.util, sys
+name = {folder.name!r}
+spec = importlib.util.spec_from_file_location(name, {str(folder / "__init__.py")!r},
+                                              submodule_search_locations=[{str(folder)!r}])
+mod = importlib.util.module_from_spec(spec); sys.modules[name] = mod; spec.loader.exec_module(mod)
+assert mod.NODE_CLASS_MAPPINGS == {{}}  # no ComfyUI here: nothing to register, and no error
+dit = importlib.import_module(name + ".wan.dit")
+stream = importlib.import_module(name + ".loaders.stream")
+assert "lingbot_world" not in sys.modules
+print("ok", dit.WanModel.__name__, stream.load_expert.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok WanModel load_expert"
+
+
+def test_layers_import_one_way():
+    """wan/ never imports loaders/ or nodes/; loaders/ never imports nodes/ or ComfyUI."""
+    for layer, banned in (
+        ("wan", ("..loaders", "..nodes", "comfy", "folder_paths")),
+        ("loaders", ("..nodes", "comfy", "folder_paths")),
+    ):
+        for path in (ROOT / layer).glob("*.py"):
+            text = path.read_text()
+            for name in banned:
+                assert f"from {name}" not in text and f"import {name}" not in text, (path, name)
+
+
+def test_packaging_metadata():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    comfy = meta["tool"]["comfy"]
+    assert comfy["PublisherId"] and comfy["DisplayName"]
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    names = {
+        line.split(">")[0].split("=")[0].strip()
+        for line in lines
+        if line.strip() and not line.startswith("#")
+    }
+    assert "safetensors" in names and "bitsandbytes" in names
+    assert not names & {"torch", "torchvision"}  # ComfyUI's environment owns torch

@@ -9,6 +9,7 @@ spellings are accepted where they differ.
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from .loaders import camera_files, checkpoints, demo_assets, monitor, text_encode, video
 from .loaders.experts import ExpertSwitcher
 from .loaders.vae import load_vae
-from .wan import actions, camera, i2v, pipeline
+from .wan import i2v, pipeline
 from .wan.config import SampleConfig
 
 ROOT = Path(__file__).resolve().parent
@@ -27,14 +28,10 @@ DEFAULTS = SampleConfig()
 
 
 def parse_size(text: str) -> int:
-    """'480*832' -> max pixel area, as upstream's --size."""
     try:
-        h, w = (int(v) for v in text.lower().replace("x", "*").split("*"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--size must look like 480*832, got {text!r}") from None
-    if h <= 0 or w <= 0:
-        raise argparse.ArgumentTypeError(f"--size must be positive, got {text!r}")
-    return h * w
+        return i2v.parse_max_area(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--size: {err}") from None
 
 
 def add_generate_args(p: argparse.ArgumentParser):
@@ -106,39 +103,16 @@ def default_output(stem: str) -> Path:
     return path
 
 
-def camera_plan(args):
-    """(poses, intrinsics, actions, frame_num, act2cam) from --action_path / --action_string.
-
-    As upstream: an action string (or --allow_act2cam with wasd/ijkl files) drives the Cam model with
-    synthetic poses and takes its intrinsics from --action_path; a pose path caps the frame count.
-    Without either, poses is None and the video has --frame_num frames.
-    """
-    if args.action_string or args.allow_act2cam:
-        if not args.action_path:
-            raise ValueError(
-                "--action_string/--allow_act2cam need --action_path for intrinsics.npy (as upstream)"
-            )
-        files = camera_files.load_camera_dir(args.action_path, require_poses=False)
-        if args.action_string:
-            plan = actions.act2cam_trajectory(action_string=args.action_string, frame_num=args.frame_num)
-        elif "wasd" not in files:
-            raise ValueError(f"--allow_act2cam: {args.action_path} has no wasd_action.npy")
-        else:
-            plan = actions.act2cam_trajectory(
-                wasd=files["wasd"], ijkl=files.get("ijkl"), frame_num=args.frame_num
-            )
-        return plan.poses, files["intrinsics"], None, plan.frame_num, True
-    frame_num = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
-    i2v.latent_frames(frame_num)  # raises unless 4n+1, naming the nearest valid counts
-    if not args.action_path:
-        return None, None, None, frame_num, False
-    files = camera_files.load_camera_dir(args.action_path)
-    used = camera.used_frame_count(len(files["poses"]), frame_num)
-    if used < frame_num:
-        print(
-            f"note: {args.action_path} has {len(files['poses'])} poses; generating {used} frames (upstream truncates)"
+def camera_input(args) -> camera_files.CameraInput | None:
+    """--action_path (+ --action_string / --allow_act2cam), as upstream: keys drive the Cam model
+    with synthetic poses and take their intrinsics from the folder."""
+    if (args.action_string or args.allow_act2cam) and not args.action_path:
+        raise ValueError(
+            "--action_string/--allow_act2cam need --action_path for intrinsics.npy (as upstream)"
         )
-    return files["poses"], files["intrinsics"], files.get("action"), used, False
+    if not args.action_path:
+        return None
+    return camera_files.CameraInput.from_dir(args.action_path, args.action_string, args.allow_act2cam)
 
 
 def load_image(path: Path) -> torch.Tensor:
@@ -171,11 +145,12 @@ def run_generate(args) -> int:
         raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
     tile = vae_tile(args.vae_tile)
     image = load_image(args.image)
-    poses, intrinsics, act, frame_num, act2cam = camera_plan(args)
-    if poses is not None and files.control_type is None:
-        raise ValueError(
-            f"{args.ckpt_dir}: plain Wan2.2 i2v experts have no camera layers; drop the camera input"
-        )
+    cam_input = camera_input(args)
+    if cam_input is None:
+        frame_num = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
+        i2v.latent_frames(frame_num)  # raises unless 4n+1, naming the nearest valid counts
+    else:
+        frame_num = cam_input.plan(args.frame_num)[2]
     settings = SampleConfig(
         sample_shift=args.sample_shift, sample_steps=args.steps, boundary=args.boundary,
         guide_scale=guide_pair(args.guide_scale), sample_fps=args.fps, frame_num=frame_num,
@@ -192,12 +167,9 @@ def run_generate(args) -> int:
             device="cpu" if args.t5_cpu else str(device),
         )  # fmt: skip
     cam = None
-    if poses is not None:
+    if cam_input is not None:
         with log.phase("camera"):
-            cam, _ = camera.camera_conditioning(
-                poses, intrinsics, frame_num, h, w, lat_h, lat_w, control_type=files.control_type,
-                actions=act, device=device, act2cam=act2cam,
-            )  # fmt: skip
+            cam, frame_num = cam_input.pack(files.control_type, frame_num, (lat_h, lat_w, h, w), device)
     with log.phase("load_vae"):
         vae = load_vae(files.vae, device)
     switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None)
@@ -242,6 +214,7 @@ def run_demo(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     try:
         if args.command == "_encode-text":
             return text_encode.child_main(args.request)

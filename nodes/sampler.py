@@ -18,17 +18,6 @@ SIZING = ("max_area", "explicit")
 log = logging.getLogger("LingBot-World")
 
 
-def parse_area(text: str) -> int:
-    """'480*832' (or 480x832) -> pixel budget, as upstream's --size."""
-    try:
-        h, w = (int(v) for v in text.lower().replace("x", "*").split("*"))
-    except ValueError:
-        raise ValueError(f"max_area must look like 480*832, got {text!r}") from None
-    if h <= 0 or w <= 0:
-        raise ValueError(f"max_area must be positive, got {text!r}")
-    return h * w
-
-
 def image_to_input(image: torch.Tensor) -> torch.Tensor:
     """ComfyUI IMAGE [B, H, W, C] in 0..1 -> the first image as [3, H, W] in [-1, 1], upstream's
     to_tensor().sub_(0.5).div_(0.5) on the same float values."""
@@ -132,7 +121,7 @@ class LingBotSampler:
         """Checked when the prompt is queued, before anything runs (a linked value arrives as None)."""
         try:
             if isinstance(max_area, str):
-                parse_area(max_area)
+                i2v.parse_max_area(max_area)
         except ValueError as e:
             return str(e)
         if frame_num is not None:
@@ -151,7 +140,7 @@ class LingBotSampler:
             )
         img = image_to_input(image)
         if sizing == "max_area":
-            size = i2v.latent_size(img.shape[1], img.shape[2], parse_area(max_area))
+            size = i2v.latent_size(img.shape[1], img.shape[2], i2v.parse_max_area(max_area))
         else:
             size = i2v.explicit_size(width, height)
         device = memory.torch_device()

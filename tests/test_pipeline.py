@@ -193,7 +193,7 @@ def test_missing_files_are_listed_at_once(tmp_path, shipped_example, capsys):
         assert needle in err
 
 
-def test_frame_count_errors_and_truncation(nf4_ckpt, shipped_example, tmp_path, capsys):
+def test_frame_count_errors_and_truncation(nf4_ckpt, shipped_example, tmp_path, capsys, caplog):
     args = generate_args(nf4_ckpt, shipped_example, tmp_path / "o.mp4")
     bad = list(args)
     bad[bad.index("--frame_num") + 1] = "8"
@@ -207,7 +207,7 @@ def test_frame_count_errors_and_truncation(nf4_ckpt, shipped_example, tmp_path, 
     args = generate_args(nf4_ckpt, short, tmp_path / "short.mp4", "--t5_mode", "inprocess")
     args[args.index("--image") + 1] = str(shipped_example / "image.jpg")
     assert cli.main(args) == 0
-    assert "generating 5 frames" in capsys.readouterr().out
+    assert "generating 5 frames" in caplog.text
     assert read_mp4_info(tmp_path / "short.mp4")["frames"] == 5
 
 

@@ -6,14 +6,7 @@ from lingbot_world.loaders.vae import load_vae
 from lingbot_world.wan import vae as V
 from safetensors.torch import save_file
 
-TINY = dict(
-    dim=4,
-    z_dim=16,
-    dim_mult=(1, 2, 4, 4),
-    num_res_blocks=2,
-    attn_scales=(),
-    temperal_downsample=(False, True, True),
-)
+TINY = {**V.WAN21_VAE_CONFIG, "dim": 4}
 
 
 @pytest.fixture(scope="module")

@@ -138,3 +138,14 @@ def image_to_tensor(image) -> torch.Tensor:
         )
     arr = torch.from_numpy(np.array(rgb, dtype=np.uint8))  # [H, W, 3]
     return arr.permute(2, 0, 1).contiguous().float().div(255).sub_(0.5).div_(0.5)
+
+
+def parse_max_area(text: str) -> int:
+    """'480*832' (or 480x832) -> the pixel budget, as upstream's --size."""
+    try:
+        h, w = (int(v) for v in text.lower().replace("x", "*").split("*"))
+    except ValueError:
+        raise ValueError(f"max_area must look like 480*832, got {text!r}") from None
+    if h <= 0 or w <= 0:
+        raise ValueError(f"max_area must be positive, got {text!r}")
+    return h * w

@@ -342,7 +342,9 @@ class WanModel(nn.Module):
         for block in self.blocks:
             x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
         x = self.head(x, e)
-        return self.unpatchify(x, grid)
+        # Upstream unpatchifies inside its bf16 autocast region, where einsum casts the fp32 head
+        # output to bf16: the prediction is bf16-rounded before the final .float().
+        return self.unpatchify(x.to(dtype), grid)
 
     def unpatchify(self, x: torch.Tensor, grid: tuple) -> torch.Tensor:
         c = self.out_dim

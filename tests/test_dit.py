@@ -160,3 +160,16 @@ def test_rope_identity_at_origin_and_rotation_elsewhere():
     assert not torch.allclose(out[5].double(), x[5], atol=1e-3)
     # A rotation preserves the norm of every complex pair.
     assert torch.allclose(out.double().norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+
+
+def test_chunked_ffn_matches_one_pass(monkeypatch):
+    from lingbot_world.wan import dit
+
+    model = init_random_(WanModel.from_config(TINY))
+    model.compute_dtype = torch.float32
+    x, y, ctx, cam = tiny_inputs()
+    with torch.no_grad():
+        whole = model(x, torch.tensor([300]), ctx, y=y, cam=cam)
+        monkeypatch.setattr(dit, "FFN_CHUNK", 7)  # 72 tokens -> 11 uneven chunks
+        chunked = model(x, torch.tensor([300]), ctx, y=y, cam=cam)
+    assert torch.allclose(whole, chunked, atol=1e-5, rtol=1e-5)

@@ -22,6 +22,9 @@ from torch import nn
 from .config import CONTROL_CHANNELS, DiTConfig
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
+# FFN token chunk: above it the [L, 13824] intermediate is built piecewise (2 GB at 720p). 480p
+# (31,668 tokens) stays one GEMM, as upstream; smaller GEMMs can round differently.
+FFN_CHUNK = 32768
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,8 +69,9 @@ def rope_freqs(head_dim: int) -> torch.Tensor:
     )
 
 
-def rope_apply(x: torch.Tensor, grid: tuple, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding over (frame, height, width) in float64, as upstream; returns fp32.
+def rope_apply(x: torch.Tensor, grid: tuple, freqs: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+    """Rotary embedding over (frame, height, width) in float64, as upstream, rounded to fp32 and then
+    to `out_dtype` (upstream rounds to fp32 here and to bf16 inside its attention call).
 
     x: [L, heads, head_dim] with L = f*h*w.
     """
@@ -82,11 +86,11 @@ def rope_apply(x: torch.Tensor, grid: tuple, freqs: torch.Tensor) -> torch.Tenso
         ],
         dim=-1,
     ).reshape(seq_len, 1, -1)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     for s in range(0, seq_len, ROPE_CHUNK):
         e = min(s + ROPE_CHUNK, seq_len)
         xc = torch.view_as_complex(x[s:e].to(torch.float64).reshape(e - s, n, -1, 2))
-        out[s:e] = torch.view_as_real(xc * table[s:e]).flatten(2)
+        out[s:e] = torch.view_as_real(xc * table[s:e]).flatten(2).float()
     return out
 
 
@@ -138,9 +142,12 @@ class WanSelfAttention(nn.Module):
         q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
         k = self.norm_k(linear(self.k, x, dtype)).view(-1, n, d)
         v = linear(self.v, x, dtype).view(-1, n, d)
-        q = rope_apply(q, grid, freqs)
-        k = rope_apply(k, grid, freqs)
-        out = attention(q, k, v, dtype).to(q.dtype)  # upstream returns q's dtype (fp32 here)
+        # Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going
+        # straight to `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory.
+        q = rope_apply(q, grid, freqs, dtype)
+        k = rope_apply(k, grid, freqs, dtype)
+        out = attention(q, k, v, dtype)
+        del q, k, v
         return linear(self.o, out.flatten(1), dtype)
 
 
@@ -185,8 +192,18 @@ class WanAttentionBlock(nn.Module):
             x = (1.0 + scale) * x + shift
         x = x + self.cross_attn(self.norm3(x), context, dtype)
         h = self.norm2(x).float() * (1 + e[4]) + e[3]
-        y = linear(self.ffn[2], self.ffn[1](linear(self.ffn[0], h, dtype)), dtype)
-        return x + y * e[5]
+        return x + self.feed_forward(h, dtype) * e[5]
+
+    def feed_forward(self, h: torch.Tensor, dtype) -> torch.Tensor:
+        def ffn(part):
+            return linear(self.ffn[2], self.ffn[1](linear(self.ffn[0], part, dtype)), dtype)
+
+        if h.shape[0] <= FFN_CHUNK:
+            return ffn(h)
+        out = torch.empty(h.shape[0], h.shape[1], dtype=dtype, device=h.device)
+        for s in range(0, h.shape[0], FFN_CHUNK):
+            out[s : s + FFN_CHUNK] = ffn(h[s : s + FFN_CHUNK])
+        return out
 
 
 class Head(nn.Module):

@@ -168,8 +168,17 @@ def test_chunked_ffn_matches_one_pass(monkeypatch):
     model = init_random_(WanModel.from_config(TINY))
     model.compute_dtype = torch.float32
     x, y, ctx, cam = tiny_inputs()
+    rows, real_linear = [], dit.linear
+
+    def spy(layer, inp, dtype):
+        if layer is model.blocks[0].ffn[0]:
+            rows.append(inp.shape)
+        return real_linear(layer, inp, dtype)
+
+    monkeypatch.setattr(dit, "linear", spy)
     with torch.no_grad():
         whole = model(x, torch.tensor([300]), ctx, y=y, cam=cam)
-        monkeypatch.setattr(dit, "FFN_CHUNK", 7)  # 72 tokens -> 11 uneven chunks
+        monkeypatch.setattr(dit, "FFN_CHUNK", 7)  # 18 tokens -> chunks of 7, 7, 4
         chunked = model(x, torch.tensor([300]), ctx, y=y, cam=cam)
     assert torch.allclose(whole, chunked, atol=1e-5, rtol=1e-5)
+    assert [r[0] for r in rows] == [18, 7, 7, 4]  # the residual stream stays [tokens, dim]

@@ -181,7 +181,7 @@ class WanAttentionBlock(nn.Module):
 
     def forward(self, x, e0, grid, freqs, context, cam, dtype):
         """x: [L, C] (bf16 into block 0, fp32 after); e0: [1, 6, C] fp32; cam: [L, C] or None."""
-        e = (self.modulation.float() + e0).chunk(6, dim=1)  # each [1, C] fp32
+        e = (self.modulation.float() + e0)[0].unbind(0)  # six [C] fp32 vectors; x stays [L, C]
         y = self.self_attn(self.norm1(x).float() * (1 + e[1]) + e[0], grid, freqs, dtype)
         x = x + y * e[2]
         if cam is not None:

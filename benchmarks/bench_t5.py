@@ -29,13 +29,11 @@ import itertools
 import json
 import string
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +42,7 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world.loaders import text_encode as tx  # noqa: E402
+from lingbot_world.loaders.monitor import RssSampler, rss_anon  # noqa: E402
 from lingbot_world.loaders.text_encoder import hf_name, load_tokenizer, upstream_name  # noqa: E402
 from lingbot_world.wan.config import NEGATIVE_PROMPT, T5_DTYPE  # noqa: E402
 from lingbot_world.wan.t5 import UMT5_XXL, T5Encoder, encode_trimmed, init_random_, random_param  # noqa: E402
@@ -143,50 +142,14 @@ def write_synthetic_tokenizer(folder: Path, vocab: int) -> None:
     (folder / "SYNTHETIC.txt").write_text("Synthetic benchmark tokenizer, not google/umt5-xxl.\n")
 
 
-class MemorySampler:
-    """Peak RSS and RssAnon of this process, sampled in a thread."""
-
-    def __init__(self, period: float = 0.01):
-        self.period, self.proc = period, psutil.Process()
-        self.peak_rss = self.peak_anon = 0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def anon() -> int:
-        try:
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-        except (OSError, StopIteration):
-            return 0
-
-    def _sample(self):
-        self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
-        self.peak_anon = max(self.peak_anon, self.anon())
-
-    def _loop(self):
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.period)
-
-    def __enter__(self):
-        gc.collect()
-        self.rss0, self.anon0 = self.proc.memory_info().rss, self.anon()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    def summary(self) -> dict:
-        gc.collect()
-        return dict(
-            parent_peak_rss_growth_gb=round((self.peak_rss - self.rss0) / 1e9, 3),
-            parent_peak_rss_anon_growth_gb=round((self.peak_anon - self.anon0) / 1e9, 3),
-            parent_rss_anon_left_gb=round((self.anon() - self.anon0) / 1e9, 3),
-        )
+def memory_summary(mem: RssSampler) -> dict:
+    """This process's RSS growth during a `with RssSampler() as mem:` block, and what stayed."""
+    gc.collect()
+    return dict(
+        parent_peak_rss_growth_gb=round((mem.peak_total - mem.start_total) / 1e9, 3),
+        parent_peak_rss_anon_growth_gb=round(mem.growth / 1e9, 3),
+        parent_rss_anon_left_gb=round((rss_anon() - mem.start_bytes) / 1e9, 3),
+    )
 
 
 def gb(x) -> float:
@@ -254,7 +217,8 @@ def main(argv=None) -> int:
         runs = {}
         for mode, fn in (("subprocess", tx.encode_in_subprocess), ("inprocess", tx.encode_in_process)):
             kw = dict(timeout=args.timeout) if mode == "subprocess" else {}
-            with MemorySampler() as mem:
+            gc.collect()
+            with RssSampler(interval=0.01) as mem:
                 t = time.perf_counter()
                 embs, rep = fn(path, prompts, None, device, args.text_len, **kw)
                 wall = time.perf_counter() - t
@@ -265,7 +229,7 @@ def main(argv=None) -> int:
                 tokens=rep["tokens"],
                 vram_peak_gb=gb(rep.get("vram_peak")),
                 vram_left_gb=gb(rep.get("vram_after", 0) - rep.get("vram_before", 0)),
-                **mem.summary(),
+                **memory_summary(mem),
             )
             if mode == "subprocess":
                 runs[mode]["child_peak_rss_gb"] = gb(rep.get("child_peak_rss"))
@@ -282,7 +246,8 @@ def main(argv=None) -> int:
         result[name] = runs
 
     if not args.no_baseline and pth_path.is_file():
-        with MemorySampler() as mem:
+        gc.collect()
+        with RssSampler(interval=0.01) as mem:
             t = time.perf_counter()
             embs, rep = upstream_style(pth_path, prompts, device, args.text_len, config, work / "tokenizer")
             wall = time.perf_counter() - t
@@ -291,7 +256,7 @@ def main(argv=None) -> int:
             load_s=round(rep["load_s"], 2),
             encode_s=round(rep["encode_s"], 3),
             vram_peak_gb=gb(rep["vram_peak"]),
-            **mem.summary(),
+            **memory_summary(mem),
         )
         equal &= all(torch.equal(a, b) for a, b in zip(reference, embs, strict=True))
     result["all_embeddings_equal"] = bool(equal)

@@ -37,17 +37,19 @@ def rss_anon(pid="self") -> int:
 
 
 class RssSampler:
-    """Samples anonymous RSS on a thread: `with RssSampler() as s: ...` then s.start_bytes, s.peak, s.growth."""
+    """Samples a process's RSS on a thread: `with RssSampler() as s: ...` then s.start_bytes, s.peak,
+    s.growth (anonymous RSS) and s.start_total, s.peak_total (all resident pages, file pages included)."""
 
     def __init__(self, interval: float = 0.002, pid="self"):
         self.interval, self.pid = interval, pid
-        self.start_bytes = self.peak = 0
+        self.start_bytes = self.peak = self.start_total = self.peak_total = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def sample(self) -> int:
         rss = rss_anon(self.pid)
         self.peak = max(self.peak, rss)
+        self.peak_total = max(self.peak_total, proc_status(self.pid).get("VmRSS", rss))
         return rss
 
     def _run(self):
@@ -57,6 +59,7 @@ class RssSampler:
 
     def __enter__(self):
         self.start_bytes = self.peak = self.sample()
+        self.start_total = self.peak_total
         self._thread.start()
         return self
 

@@ -297,7 +297,9 @@ def write_checkpoint(args, cfg, workdir: Path) -> tuple[Path, dict]:
         and not args.rewrite
     ):
         return ckpt, {"reused": True}
-    with S.RssSampler() as sampler:
+    from lingbot_world.loaders.monitor import RssSampler
+
+    with RssSampler() as sampler:
         t0 = time.perf_counter()
         if args.format == "nf4":
             S.write_nf4_expert(ckpt, cfg, args.seed, mode="random" if args.scale == "full" else "quantize")

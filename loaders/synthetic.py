@@ -11,7 +11,7 @@ dtypes, tensor order in the file and config files follow the real checkpoints:
 - `write_single_safetensors`: one file as ComfyUI users keep in ``models/diffusion_models/``.
 
 Dense values follow `wan.dit.init_random_`'s rules, seeded per tensor name, so the same seed
-gives the same weights in every layout. `RssSampler` measures anonymous RSS for RAM-bound checks.
+gives the same weights in every layout.
 """
 
 import json

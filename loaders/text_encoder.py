@@ -27,6 +27,7 @@ from torch import nn
 
 from ..wan.config import T5_DTYPE, TEXT_LEN
 from ..wan.t5 import T5Encoder
+from .tensor_file import TensorFile
 
 SUPPORTED_FILES = (
     "upstream `models_t5_umt5-xxl-enc-bf16.pth`, or a ComfyUI umT5-XXL `.safetensors` "
@@ -93,49 +94,6 @@ def file_identity(path) -> str:
     return f"{p}|{st.st_size}|{st.st_mtime_ns}"
 
 
-class _Checkpoint:
-    """Lazy tensor access to a .pth (mmap) or .safetensors file: keys, shapes, one tensor at a time."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"text encoder file not found: {self.path}")
-        suffix = self.path.suffix.lower()
-        if suffix == ".safetensors":
-            from safetensors import safe_open
-
-            try:
-                self._st = safe_open(str(self.path), framework="pt", device="cpu")
-            except Exception as e:
-                raise ValueError(f"{self.path}: not a readable safetensors file ({e})") from e
-            self.keys = list(self._st.keys())
-        elif suffix in (".pth", ".pt", ".bin", ".ckpt"):
-            self._st = None
-            try:
-                sd = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:
-                raise ValueError(
-                    f"{self.path}: could not read it as a torch state dict with "
-                    f"torch.load(weights_only=True, mmap=True) ({e}); supported: {SUPPORTED_FILES}"
-                ) from e
-            if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-                raise ValueError(f"{self.path}: expected a flat dict of tensors (a state dict)")
-            self._sd = sd
-            self.keys = list(sd)
-        else:
-            raise ValueError(
-                f"{self.path}: unsupported text encoder file type {suffix!r}; supported: {SUPPORTED_FILES}"
-            )
-
-    def shape(self, key: str) -> tuple:
-        if self._st is not None:
-            return tuple(self._st.get_slice(key).get_shape())
-        return tuple(self._sd[key].shape)
-
-    def get(self, key: str) -> torch.Tensor:
-        return self._st.get_tensor(key) if self._st is not None else self._sd[key]
-
-
 @dataclass
 class _Plan:
     """Where each upstream parameter comes from in a file."""
@@ -145,7 +103,7 @@ class _Plan:
     scales: dict  # upstream name -> file key of its scale_weight (fp8 scaled files)
 
 
-def _plan(ckpt: _Checkpoint) -> _Plan:
+def _plan(ckpt: TensorFile) -> _Plan:
     keys = set(ckpt.keys)
     if "token_embedding.weight" in keys or any(k.startswith("blocks.") for k in keys):
         unexpected = sorted(
@@ -207,7 +165,7 @@ def _some(items: list, n: int = 12) -> str:
     return shown + (f" ... ({len(items)} in all)" if len(items) > n else "")
 
 
-def _config(ckpt: _Checkpoint, plan: _Plan) -> dict:
+def _config(ckpt: TensorFile, plan: _Plan) -> dict:
     needed = [
         "token_embedding.weight",
         "blocks.0.attn.q.weight",
@@ -234,7 +192,7 @@ def _config(ckpt: _Checkpoint, plan: _Plan) -> dict:
 
 def read_encoder_config(path) -> dict:
     """T5Encoder constructor arguments read from a checkpoint's tensor shapes (no weights loaded)."""
-    ckpt = _Checkpoint(path)
+    ckpt = TensorFile(path, "text encoder", SUPPORTED_FILES)
     return _config(ckpt, _plan(ckpt))
 
 
@@ -257,7 +215,7 @@ def load_text_encoder(path, device="cpu", dtype: torch.dtype = T5_DTYPE) -> T5En
     Raises FileNotFoundError for a missing file and ValueError naming the keys for a wrong, incomplete
     or mismatched checkpoint.
     """
-    ckpt = _Checkpoint(path)
+    ckpt = TensorFile(path, "text encoder", SUPPORTED_FILES)
     plan = _plan(ckpt)
     config = _config(ckpt, plan)
     with torch.device("meta"):

@@ -9,51 +9,12 @@ anything is read, and other VAEs (Wan2.2's z=48 one, the diffusers layout) are n
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..wan.vae import WAN21_VAE_CONFIG, WanVAE
+from .tensor_file import TensorFile
 
 MARKER = "decoder.middle.0.residual.0.gamma"  # present in every Wan-family VAE in upstream layout
 WAN22_MARKER = "decoder.upsamples.0.upsamples.0.residual.2.weight"  # Wan2.2 VAE's nested up blocks
-TORCH_SUFFIXES = (".pth", ".pt", ".ckpt", ".bin")
-
-
-class _Checkpoint:
-    """Tensor names, shapes and (lazily) tensors of a .safetensors or weights-only torch file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        if path.suffix == ".safetensors":
-            try:
-                self._st = safe_open(str(path), framework="pt", device="cpu")
-                self.shapes = {k: tuple(self._st.get_slice(k).get_shape()) for k in self._st.keys()}
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{path} is not a readable .safetensors file: {e}") from e
-        elif path.suffix in TORCH_SUFFIXES:
-            self._sd = _torch_load(path)
-            self.shapes = {k: tuple(v.shape) for k, v in self._sd.items()}
-        else:
-            raise ValueError(
-                f"{path}: unsupported VAE file type {path.suffix!r} (expected .safetensors or .pth)"
-            )
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._st.get_tensor(name) if hasattr(self, "_st") else self._sd[name]
-
-
-def _torch_load(path: Path) -> dict:
-    try:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            sd = torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
-    except Exception as e:
-        raise ValueError(f"{path} could not be read as a weights-only torch checkpoint: {e}") from e
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise ValueError(f"{path} does not hold a flat state dict of tensors (got {type(sd).__name__})")
-    return sd
 
 
 def _list(names, limit: int = 10) -> str:
@@ -90,7 +51,7 @@ def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dic
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Wan2.1 VAE checkpoint not found: {path}")
-    ckpt = _Checkpoint(path)
+    ckpt = TensorFile(path, "Wan2.1 VAE", "Wan2.1_VAE.pth or wan_2.1_vae.safetensors", allow_unmapped=True)
     prefix = _identify(path, ckpt.shapes)
     found = {k[len(prefix) :]: s for k, s in ckpt.shapes.items() if k.startswith(prefix)}
 
@@ -112,6 +73,6 @@ def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dic
                 f"{path}: tensor '{prefix}{k}' has shape {list(found[k])}, expected {list(shape)}"
             )
 
-    state = {k: ckpt.tensor(prefix + k).to(device=device, dtype=dtype) for k in expected}
+    state = {k: ckpt.get(prefix + k).to(device=device, dtype=dtype) for k in expected}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from .stream import free_memory, load_expert, release
+from .monitor import free_memory
+from .stream import load_expert, release
 
 
 def module_bytes(module: torch.nn.Module) -> int:

@@ -1,10 +1,13 @@
-"""Wall time, peak anonymous RSS and peak VRAM: the CLI's per-phase summary, tests and benchmarks.
+"""Wall time, peak anonymous RSS and peak VRAM (the CLI's per-phase summary, tests, benchmarks), and
+handing freed memory back to the system.
 
 Anonymous RSS (RssAnon; pinned buffers included) is what the OOM killer weighs. File-backed pages of
 a memory-mapped safetensors file are reclaimable page cache, so they are reported apart (VmHWM).
 """
 
 import contextlib
+import ctypes
+import gc
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,3 +131,33 @@ class PhaseLog:
         total = sum(r["seconds"] for r in rows)
         lines.append(f"{'total':<16}{total:>9.2f}")
         return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- giving memory back
+
+
+def trim_heap() -> None:
+    """Hand freed malloc heap pages back to the OS (glibc keeps them, and RSS with them)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
+def free_memory() -> None:
+    """Return freed memory to the system: Python cycles, CUDA and pinned-host caches, malloc arenas."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+    trim_heap()

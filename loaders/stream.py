@@ -9,8 +9,6 @@ NF4 (blocksize 64, double quant) one at a time as they arrive. Host memory above
 within the staging buffers plus one tensor (for a CPU target, plus the model itself).
 """
 
-import ctypes
-import gc
 import traceback
 from collections import defaultdict
 from pathlib import Path
@@ -29,6 +27,7 @@ from .formats import (
     meta_model,
     skip_init,
 )
+from .monitor import free_memory, trim_heap
 
 NF4_ARGS = dict(blocksize=64, compress_statistics=True, quant_type="nf4")
 STAGING_BYTES = 64 << 20  # per buffer; two buffers alternate
@@ -60,33 +59,6 @@ def build_expert_meta(
                                       quant_type=quant_type, device="meta")  # fmt: skip
             setattr(model.get_submodule(parent), child, shell)
     return model
-
-
-def _trim_heap() -> None:
-    """Hand freed malloc heap pages back to the OS (glibc keeps them, and RSS with them)."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
-
-
-def free_memory() -> None:
-    """Return freed memory to the system: Python cycles, CUDA and pinned-host caches, malloc arenas."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        host_empty = getattr(torch._C, "_host_emptyCache", None)
-        if host_empty is not None:
-            host_empty()
-    _trim_heap()
 
 
 def release(model: nn.Module) -> None:
@@ -238,7 +210,7 @@ def quantize_nf4(weight: torch.Tensor, dtype: torch.dtype):
         packed[start // 2 : start // 2 + p.shape[0]] = p
         absmax[start // NF4_ARGS["blocksize"] :][: a.numel()] = a
         del chunk, p, a
-    _trim_heap()  # the temporaries' heap pages would otherwise pile up between persistent tensors
+    trim_heap()  # the temporaries' heap pages would otherwise pile up between persistent tensors
     # second level, as quantize_4bit(compress_statistics=True): 8-bit block scales around their mean
     offset = absmax.mean()
     qabsmax, state2 = bnb_f.quantize_blockwise(absmax - offset, blocksize=256)

@@ -12,8 +12,6 @@ Each prompt is encoded alone (batch of one, padded to text_len) as upstream's i2
 comes back trimmed to its true token count: a bf16 CPU tensor [tokens, 4096].
 """
 
-import ctypes
-import gc
 import hashlib
 import json
 import os
@@ -32,6 +30,7 @@ import torch
 
 from ..wan.config import T5_DTYPE, TEXT_LEN
 from ..wan.t5 import encode_trimmed
+from .monitor import free_memory, rss_anon
 from .text_encoder import (
     TokenizerSource,
     UMT5Tokenizer,
@@ -207,30 +206,6 @@ def _source(tokenizer, encoder_path) -> TokenizerSource:
 # In this process
 
 
-def _rss_anon() -> int:
-    """Anonymous resident memory of this process in bytes (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _release_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    if sys.platform.startswith("linux"):
-        try:  # give freed heap pages back to the OS
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
-
 def _encode_local(encoder_path, prompts, source: TokenizerSource, device, text_len):
     """Load tokenizer and encoder, encode each prompt alone, free the encoder. -> (embeddings, report)."""
     device = torch.device(device)
@@ -239,7 +214,7 @@ def _encode_local(encoder_path, prompts, source: TokenizerSource, device, text_l
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    report = dict(rss_anon_before=_rss_anon(), vram_before=torch.cuda.memory_allocated(device) if cuda else 0)
+    report = dict(rss_anon_before=rss_anon(), vram_before=torch.cuda.memory_allocated(device) if cuda else 0)
     t0 = time.perf_counter()
     model = load_text_encoder(encoder_path, device=device, dtype=T5_DTYPE)
     t1 = time.perf_counter()
@@ -252,13 +227,13 @@ def _encode_local(encoder_path, prompts, source: TokenizerSource, device, text_l
         t2 = time.perf_counter()
     finally:
         del model
-        _release_memory(device)
+        free_memory()
     report.update(
         load_s=t1 - t0,
         encode_s=t2 - t1,
         release_s=time.perf_counter() - t2,
         tokens=[int(e.shape[0]) for e in embs],
-        rss_anon_after=_rss_anon(),
+        rss_anon_after=rss_anon(),
         device=str(device),
     )
     if cuda:

@@ -13,6 +13,7 @@ import comfy.model_management as mm
 import comfy.utils
 import torch
 
+from ..loaders.experts import module_bytes
 from ..loaders.monitor import PhaseLog
 from ..wan.pipeline import Hooks
 
@@ -92,7 +93,7 @@ def on_device(module: torch.nn.Module, device, working_bytes: int = 0):
     """Move `module` to `device` for the block (after making room), then back to the CPU."""
     device = torch.device(device)
     if device.type != "cpu":
-        size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+        size = module_bytes(module)
         make_room(size + working_bytes, device)
     module.to(device)
     try:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from lingbot_world.loaders import text_encode as tx
 from lingbot_world.loaders import text_encoder as te
+from lingbot_world.loaders.monitor import RssSampler, rss_anon
 from lingbot_world.loaders.synthetic_text import (
     TINY,
     spiece_model_bytes,
@@ -249,27 +250,10 @@ def test_interrupt_stops_the_child_and_cleans_up(ckpt, tmp_path, monkeypatch):
     assert seen["request"].name == "request.json" and not seen["request"].parent.exists()
 
 
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
-
-
 def _peak_rss_anon_during(fn):
-    peak, stop = [_rss_anon()], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak.append(_rss_anon())
-            time.sleep(0.005)
-
-    th = threading.Thread(target=sample)
-    th.start()
-    try:
+    with RssSampler(interval=0.005) as sampler:
         out = fn()
-    finally:
-        stop.set()
-        th.join()
-    return out, max(peak)
+    return out, sampler.peak
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc RssAnon")
@@ -288,7 +272,7 @@ def test_parent_memory_does_not_hold_the_weights(tmp_path):
     import gc
 
     gc.collect()
-    base = _rss_anon()
+    base = rss_anon()
     embs, peak_sub = _peak_rss_anon_during(
         lambda: tx.encode_in_subprocess(path, PROMPTS, None, text_len=TEXT_LEN)[0]
     )
@@ -296,11 +280,11 @@ def test_parent_memory_does_not_hold_the_weights(tmp_path):
     assert peak_sub - base < 0.2 * size, (peak_sub - base, size)
 
     gc.collect()
-    base = _rss_anon()
+    base = rss_anon()
     (embs_in, report), peak_in = _peak_rss_anon_during(
         lambda: tx.encode_in_process(path, PROMPTS, None, text_len=TEXT_LEN)
     )
     assert peak_in - base > 0.8 * size  # bf16 copies of the fp16 file did live here
-    assert _rss_anon() - base < 0.2 * size  # ... and were released
+    assert rss_anon() - base < 0.2 * size  # ... and were released
     assert report["rss_anon_after"] - report["rss_anon_before"] < 0.2 * size
     assert all(torch.equal(a, b) for a, b in zip(embs, embs_in, strict=True))

@@ -57,6 +57,10 @@ def build_expert_meta(
             shell = bnb.nn.Linear4bit(layer.in_features, layer.out_features, layer.bias is not None,
                                       compute_dtype=compute_dtype, compress_statistics=True,
                                       quant_type=quant_type, device="meta")  # fmt: skip
+            # bitsandbytes >= 0.50 repacks a layer's weight in place for its AVX512-BF16 CPU kernel on the
+            # first CPU forward: that breaks layers narrower than a quant block and rewrites the stored NF4
+            # layout that dequantizing, parking and the LoRA side path rely on. Keep the portable kernel.
+            shell.support_avx512bf16_for_cpu = False
             setattr(model.get_submodule(parent), child, shell)
     return model
 

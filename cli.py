@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,10 @@ from tqdm import tqdm
 
 from .loaders import camera_files, checkpoints, demo_assets, monitor, text_encode, video
 from .loaders.experts import ExpertSwitcher
-from .loaders.vae import load_vae
+from .loaders.latent_file import save_comfy_latent
+from .loaders.request import RequestError, plan_request
+from .loaders.text_encoder import read_encoder_config
+from .loaders.vae import check_vae, load_vae
 from .wan import i2v, pipeline
 from .wan.config import SampleConfig
 
@@ -71,6 +75,10 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="auto", help="'auto', 'none' or H,W tile size in latent pixels")
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
+    p.add_argument(
+        "--save_latent", type=Path,
+        help="also save the final latent for ComfyUI's Load Latent node (.latent, safetensors)",
+    )  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,17 +89,45 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
     demo.add_argument("--output", type=Path, default=None)
     demo.add_argument("--overwrite", action="store_true")
-    child = sub.add_parser("_encode-text", help=argparse.SUPPRESS)
-    child.add_argument("request")
     return parser
 
 
 def guide_pair(values: list[float]) -> tuple[float, float]:
-    if len(values) == 1:
-        return (values[0], values[0])
-    if len(values) == 2:
-        return (values[0], values[1])
-    raise SystemExit(f"--guide_scale takes one or two values (low-noise high-noise), got {len(values)}")
+    """--guide_scale: one value for both experts, or (low-noise, high-noise)."""
+    return (values[0], values[-1])
+
+
+# RequestError parameters -> the flags a user types.
+FLAGS = {
+    "sample_steps": "--sampling_steps", "sample_shift": "--sample_shift", "boundary": "--boundary",
+    "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
+    "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
+    "action_string": "--action_string", "camera": "--action_path", "text": "text encoder",
+}  # fmt: skip
+
+
+def resolve_device(text: str) -> torch.device:
+    """--device, checked before anything loads: cpu, cuda or cuda:N on a machine that has it."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: only cpu and cuda are supported, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {text}: CUDA is not available to this PyTorch ({torch.__version__}); "
+                "use --device cpu or install a CUDA build of PyTorch"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(
+                f"--device {text}: this machine has {count} CUDA device(s) (cuda:0..{count - 1})"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def default_output(stem: str) -> Path:
@@ -139,25 +175,29 @@ def vae_tile(text: str):
 
 
 def run_generate(args) -> int:
-    device = torch.device(args.device)
-    files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir)  # lists every missing file at once
-    output = args.output or default_output("lingbot")
-    if output.exists() and not args.overwrite:
-        raise FileExistsError(f"{output} exists; pass --overwrite to replace it")
+    # Everything a user can get wrong is checked here, before any model loads.
+    device = resolve_device(args.device)
+    output = video.check_output(args.output or default_output("lingbot"), args.overwrite)
+    if args.report:
+        video.check_output(args.report, overwrite=True)
+    if args.save_latent:
+        video.check_output(args.save_latent, args.overwrite)
+    files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
+    text_dim = read_encoder_config(files.text_encoder)["dim"]
+    check_vae(files.vae)
     tile = vae_tile(args.vae_tile)
     image = load_image(args.image)
     cam_input = camera_input(args)
-    if cam_input is None:
-        frame_num = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
-        i2v.latent_frames(frame_num)  # raises unless 4n+1, naming the nearest valid counts
-    else:
-        frame_num = cam_input.plan(args.frame_num)[2]
     settings = SampleConfig(
         sample_shift=args.sample_shift, sample_steps=args.steps, boundary=args.boundary,
-        guide_scale=guide_pair(args.guide_scale), sample_fps=args.fps, frame_num=frame_num,
-        max_area=args.size, solver=args.solver, seed=i2v.resolve_seed(args.seed),
+        guide_scale=guide_pair(args.guide_scale), sample_fps=args.fps, max_area=args.size,
+        solver=args.solver, seed=i2v.resolve_seed(args.seed),
     )  # fmt: skip
-    lat_h, lat_w, h, w = i2v.latent_size(image.shape[1], image.shape[2], settings.max_area)
+    plan = plan_request(
+        image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
+        max_area=args.size, text_dim=text_dim,
+    )  # fmt: skip
+    settings, (h, w) = plan.settings, plan.size[2:]
     log = monitor.PhaseLog()
     hooks = pipeline.Hooks(phase=log.phase)
 
@@ -167,25 +207,27 @@ def run_generate(args) -> int:
             tokenizer_path=files.tokenizer, mode=args.t5_mode,
             device="cpu" if args.t5_cpu else str(device),
         )  # fmt: skip
-    cam = None
-    if cam_input is not None:
-        with log.phase("camera"):
-            cam, frame_num = cam_input.pack(files.control_type, frame_num, (lat_h, lat_w, h, w), device)
+    with log.phase("camera"):
+        inputs = plan.inputs(image, context, context_null, device)
+    del context, context_null
     with log.phase("load_vae"):
         vae = load_vae(files.vae, device)
     switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None)
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:
-        frames = pipeline.generate(
-            image=image, context=context, context_null=context_null, vae=vae, experts=switcher,
-            release_experts=switcher.close, size=(lat_h, lat_w, h, w), frame_num=frame_num,
-            settings=settings, cam=cam, device=device, hooks=hooks,
-            vae_decode=lambda z: vae.decode(z, tile=tile),
+        latent = pipeline.sample(
+            vae=vae, experts=switcher, release_experts=switcher.close, hooks=hooks, **inputs
         )  # fmt: skip
     finally:
         bar.close()
         switcher.close()
+    del inputs
+    if args.save_latent:
+        save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
+    hooks.check()
+    with log.phase("vae_decode"):
+        frames = vae.decode(latent, tile=tile)
     with log.phase("write_mp4"):
         video.write_mp4(
             pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite
@@ -193,7 +235,9 @@ def run_generate(args) -> int:
     print(log.table())
     if args.report:
         args.report.write_text(json.dumps([r.as_dict() for r in log.records], indent=1))
-    print(f"wrote {output} ({frame_num} frames, {w}x{h}, {settings.sample_fps} fps, seed {settings.seed})")
+    print(
+        f"wrote {output} ({plan.frame_num} frames, {w}x{h}, {settings.sample_fps} fps, seed {settings.seed})"
+    )
     return 0
 
 
@@ -213,20 +257,45 @@ def run_demo(args) -> int:
     return run_generate(build_parser().parse_args(argv))
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C: models released, children stopped, no partial file."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def check_args(parser: argparse.ArgumentParser, args) -> None:
+    """Argument shapes argparse cannot express; reported the argparse way (usage, `error:`, exit 2)."""
+    if getattr(args, "guide_scale", None) is not None and len(args.guide_scale) > 2:
+        parser.error(
+            f"argument --guide_scale: takes one or two values (low-noise high-noise), got {len(args.guide_scale)}"
+        )
+
+
 def main(argv=None) -> int:
     # Fewer fragmented gigabytes at 720p; read when CUDA first allocates, so set it before that.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        if args.command == "_encode-text":
-            return text_encode.child_main(args.request)
         if args.command == "demo":
             return run_demo(args)
         return run_generate(args)
+    except Terminated:
+        print("terminated: models released, no output written", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted: models released, no output written", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except RequestError as err:
+        print(f"error: {FLAGS.get(err.param, err.param)}: {err.detail}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as err:  # bad input: files, arrays, arguments
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)

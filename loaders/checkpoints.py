@@ -8,7 +8,9 @@ and ComfyUI's file names for the text encoder and VAE placed in the same folder.
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import detect_expert_format, find_experts
+from ..wan.config import DiTConfig
+from .formats import find_experts
+from .request import expert_pair_config
 from .text_encoder import resolve_tokenizer
 
 TEXT_ENCODER_NAMES = (
@@ -25,7 +27,12 @@ class CheckpointFiles:
     text_encoder: Path
     tokenizer: Path | None  # None: the encoder file carries its own tokenizer
     vae: Path
-    control_type: str | None  # 'cam', 'act' or None (plain Wan2.2 i2v), read from the tensors
+    config: DiTConfig  # the experts' shared config, read from their headers
+
+    @property
+    def control_type(self) -> str | None:
+        """'cam', 'act' or None (plain Wan2.2 i2v)."""
+        return self.config.control_type
 
 
 def _first(root: Path, names) -> Path | None:
@@ -59,10 +66,5 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
         missing.append(f"{root / VAE_NAMES[0]} (VAE)")
     if missing:
         raise FileNotFoundError(f"{root}: incomplete checkpoint, missing:\n  - " + "\n  - ".join(missing))
-    control_type = detect_expert_format(experts["high"]).control_type
-    low_type = detect_expert_format(experts["low"]).control_type
-    if low_type != control_type:
-        raise ValueError(
-            f"{root}: the experts disagree: high-noise is {control_type!r}, low-noise is {low_type!r}"
-        )
-    return CheckpointFiles(experts, text_encoder, tokenizer, vae, control_type)
+    config, _ = expert_pair_config(experts)
+    return CheckpointFiles(experts, text_encoder, tokenizer, vae, config)

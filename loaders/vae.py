@@ -45,9 +45,10 @@ def _identify(path: Path, shapes: dict) -> str:
     return prefix
 
 
-def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dict | None = None) -> WanVAE:
-    """Load a Wan2.1 VAE onto `device` in `dtype` (upstream runs fp32). `config` = WanVAE kwargs;
-    by default upstream's, with the base width read from `encoder.conv1.weight` (small test VAEs)."""
+def check_vae(path, config: dict | None = None) -> tuple[TensorFile, str, dict]:
+    """Check a Wan2.1 VAE file from its keys and shapes alone (nothing read): -> (file, key prefix,
+    WanVAE kwargs). `config` = WanVAE kwargs; by default upstream's, with the base width read from
+    `encoder.conv1.weight` (small test VAEs)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Wan2.1 VAE checkpoint not found: {path}")
@@ -72,7 +73,14 @@ def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dic
             raise ValueError(
                 f"{path}: tensor '{prefix}{k}' has shape {list(found[k])}, expected {list(shape)}"
             )
+    return ckpt, prefix, config
 
-    state = {k: ckpt.get(prefix + k).to(device=device, dtype=dtype) for k in expected}
+
+def load_vae(path, device="cpu", dtype: torch.dtype = torch.float32, config: dict | None = None) -> WanVAE:
+    """Load a Wan2.1 VAE onto `device` in `dtype` (upstream runs fp32); `config` as in `check_vae`."""
+    ckpt, prefix, config = check_vae(path, config)
+    with torch.device("meta"):
+        model = WanVAE(**config)
+    state = {k: ckpt.get(prefix + k).to(device=device, dtype=dtype) for k in model.state_dict()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

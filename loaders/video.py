@@ -9,13 +9,25 @@ import numpy as np
 import torch
 
 
-def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int = 18) -> Path:
-    """frames: uint8 [F, H, W, 3] (tensor or array). Returns the written path."""
+def check_output(path, overwrite: bool = False) -> Path:
+    """Refuse an output path that cannot be written, before any work: a folder, a missing or read-only
+    parent folder, or an existing file without `overwrite`. Returns the path."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder; give a file name such as {path / 'out.mp4'}")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"output folder {path.parent} does not exist")
+    parent = path.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"output folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"output folder {parent} is not writable")
+    return path
+
+
+def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int = 18) -> Path:
+    """frames: uint8 [F, H, W, 3] (tensor or array). Returns the written path."""
+    path = check_output(path, overwrite)
     array = frames.numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
     if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3:
         raise ValueError(f"frames: expected uint8 [F, H, W, 3], got {array.dtype} {list(array.shape)}")

@@ -7,14 +7,9 @@ from pathlib import Path
 import folder_paths
 
 from ..loaders.experts import ExpertSwitcher
-from ..loaders.formats import (
-    CONFIG,
-    DIFFUSERS_SINGLE,
-    NF4_PT,
-    NF4_WEIGHTS,
-    detect_expert_format,
-    find_experts,
-)
+from ..loaders.formats import CONFIG, DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, find_experts
+from ..loaders.request import expert_pair_config
+from ..wan.config import DiTConfig
 from . import memory
 
 CATEGORY = "LingBot-World"
@@ -69,8 +64,7 @@ class ExpertsHandle:
     """
 
     paths: dict  # {'high': Path, 'low': Path}
-    control_type: str | None  # 'cam', 'act' or None (plain Wan2.2 i2v)
-    text_dim: int
+    config: DiTConfig  # shared by both experts
     nbytes: dict  # stored bytes per expert, for make_room
     quantize: bool | None
     ram_budget: int
@@ -170,19 +164,10 @@ class LingBotExpertsLoader:
                 "high": resolve_model(MODELS_KIND, high_noise_expert),
                 "low": resolve_model(MODELS_KIND, low_noise_expert),
             }
-        sources = {k: detect_expert_format(p) for k, p in paths.items()}
-        high, low = sources["high"].dit_config, sources["low"].dit_config
-        if high != low:
-            diff = {f: (getattr(high, f), getattr(low, f)) for f in high.__dataclass_fields__}
-            diff = {f: v for f, v in diff.items() if v[0] != v[1]}
-            raise ValueError(
-                f"the experts do not match ({paths['high']} vs {paths['low']}): "
-                + ", ".join(f"{f} high={a!r} low={b!r}" for f, (a, b) in diff.items())
-            )
+        config, sources = expert_pair_config(paths)
         handle = ExpertsHandle(
             paths=paths,
-            control_type=high.control_type,
-            text_dim=high.text_dim,
+            config=config,
             nbytes={k: s.nbytes for k, s in sources.items()},
             quantize=True if quantize_to_nf4 else None,
             ram_budget=int(keep_in_ram_gb * memory.GIB),

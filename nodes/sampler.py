@@ -4,6 +4,7 @@ import logging
 
 import torch
 
+from ..loaders.request import RequestError, plan_request
 from ..wan import i2v, pipeline
 from ..wan.config import SampleConfig
 from ..wan.schedulers import SCHEDULERS
@@ -11,10 +12,13 @@ from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, EXPERTS
 from .text import TEXT
-from .vae import VAE, to_comfy_latent
+from .vae import VAE
 
 DEFAULTS = SampleConfig()
 SIZING = ("max_area", "explicit")
+# RequestError parameters -> this node's widget names.
+WIDGETS = {"sample_steps": "steps", "sample_shift": "shift", "size": "width/height/frame_num",
+           "guide_scale": "guide_scale_low/high", "action_string": "camera"}  # fmt: skip
 log = logging.getLogger("LingBot-World")
 
 
@@ -130,44 +134,41 @@ class LingBotSampler:
 
     def sample(self, experts, text, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
                boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None):  # fmt: skip
-        issue = i2v.frame_num_issue(frame_num)
-        if issue:
-            raise ValueError(issue)
-        if text.context.shape[-1] != experts.text_dim:
-            raise ValueError(
-                f"text: embeddings have width {text.context.shape[-1]}, the experts expect {experts.text_dim} "
-                "(this text encoder does not belong to these experts)"
-            )
         img = image_to_input(image)
-        if sizing == "max_area":
-            size = i2v.latent_size(img.shape[1], img.shape[2], i2v.parse_max_area(max_area))
-        else:
-            size = i2v.explicit_size(width, height)
-        device = memory.torch_device()
-        cam = None
-        if camera is not None:
-            cam, frame_num = camera.pack(experts.control_type, frame_num, size, device)
         settings = SampleConfig(
             sample_shift=shift, sample_steps=steps, boundary=boundary,
-            guide_scale=(guide_scale_low, guide_scale_high), frame_num=frame_num, solver=solver, seed=seed,
+            guide_scale=(guide_scale_low, guide_scale_high), solver=solver, seed=seed,
         )  # fmt: skip
-        lat_h, lat_w = size[:2]
-        work = working_bytes(i2v.latent_frames(frame_num), lat_h, lat_w)
+        sizing = (
+            {"max_area": i2v.parse_max_area(max_area)}
+            if sizing == "max_area"
+            else {"width": width, "height": height}
+        )
+        device = memory.torch_device()
+        try:
+            plan = plan_request(
+                img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, **sizing
+            )
+            inputs = plan.inputs(img, text.context, text.context_null, device)
+        except RequestError as e:
+            raise ValueError(f"{WIDGETS.get(e.param, e.param)}: {e.detail}") from None
+        size, frame_num = plan.size, plan.frame_num
+        work = working_bytes(i2v.latent_frames(frame_num), *size[:2])
         hooks, phases = memory.sampling_hooks(steps)
         try:
             latent = pipeline.sample(
-                img, text.context, text.context_null, vae, experts.provider(device, work), experts.release,
-                size, frame_num, settings, cam=cam, device=device, hooks=hooks,
+                vae=vae, experts=experts.provider(device, work), release_experts=experts.release, hooks=hooks,
+                **inputs,
             )  # fmt: skip
         except BaseException as e:
             experts.close()  # errors and interrupts also drop what keep_in_ram_gb parked
             log.info("LingBot-World sampling stopped (%s); experts released", type(e).__name__)
             raise
         finally:
-            del cam
+            del inputs
             memory.after_release()
         log.info(
             "LingBot-World sampling, %d frames at %dx%d:\n%s", frame_num, size[3], size[2], phases.table()
         )
-        samples = to_comfy_latent(vae.model, latent.cpu()).to(memory.intermediate_device())
+        samples = vae.model.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
         return ({"samples": samples},)

@@ -19,24 +19,6 @@ VAE = "LINGBOT_VAE"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _stats(vae: WanVAE, device):
-    mean = torch.tensor(vae.latent_mean, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-    std = torch.tensor(vae.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-    return mean, std
-
-
-def to_comfy_latent(vae: WanVAE, latent: torch.Tensor) -> torch.Tensor:
-    """Normalised [16, T, h, w] -> ComfyUI's un-normalised [1, 16, T, h, w]."""
-    mean, std = _stats(vae, latent.device)
-    return (latent.float() * std + mean)[None]
-
-
-def from_comfy_latent(vae: WanVAE, samples: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's un-normalised [16, T, h, w] -> normalised, as WanVAE.decode takes it."""
-    mean, std = _stats(vae, samples.device)
-    return (samples.float() - mean) / std
-
-
 @dataclass
 class VAEHandle:
     """What flows on a LINGBOT_VAE link: the model, kept on the CPU between uses."""
@@ -126,7 +108,7 @@ class LingBotVAEDecode:
         tile = {"auto": "auto", "none": None}.get(tiling, (tile_height, tile_width))
         frames = []
         for latent in latents:
-            video = vae.decode(from_comfy_latent(vae.model, latent), tile)
+            video = vae.decode(vae.model.from_comfy_latent(latent), tile)
             frames.append(((video + 1) / 2).permute(1, 2, 3, 0))
             del video
         return (torch.cat(frames).to(memory.intermediate_device()),)

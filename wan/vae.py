@@ -327,6 +327,18 @@ class WanVAE(nn.Module):
         inv_std = 1.0 / torch.tensor(self.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
         return mean, inv_std
 
+    def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        """Normalised [16, T, h, w] -> ComfyUI's un-normalised Wan2.1 LATENT samples [1, 16, T, h, w]."""
+        mean, std = (torch.tensor(v, dtype=torch.float32, device=latent.device).view(-1, 1, 1, 1)
+                     for v in (self.latent_mean, self.latent_std))  # fmt: skip
+        return (latent.float() * std + mean)[None]
+
+    def from_comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
+        """ComfyUI's un-normalised [16, T, h, w] -> normalised, as `decode` takes it."""
+        mean, std = (torch.tensor(v, dtype=torch.float32, device=samples.device).view(-1, 1, 1, 1)
+                     for v in (self.latent_mean, self.latent_std))  # fmt: skip
+        return (samples.float() - mean) / std
+
     @torch.no_grad()
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """[3, F, H, W] in [-1, 1], F = 4n+1, H and W multiples of 8 -> normalised latent [z, n+1, H/8, W/8] fp32."""

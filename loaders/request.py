@@ -1,0 +1,199 @@
+"""The one preparation path: a user's request -> what `wan.pipeline.sample` needs, every check in one place.
+
+The CLI and the ComfyUI sampler node both go through here, in two stages:
+
+1. `plan_request` checks everything that needs no tensors (sizes, frame count and its bounds, sampler
+   settings, the camera path against the experts, the text encoder's width against the experts), so a bad
+   request is refused before any model loads;
+2. `Plan.inputs` takes the loaded image and text embeddings and returns the keyword arguments of
+   `pipeline.sample` (camera tensor packed for the chosen size).
+
+Errors are `RequestError`s (ValueErrors) that carry the parameter's name, so each front end can say it in
+its own words (`--sampling_steps` on the command line, `steps` on the node).
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from ..wan import i2v
+from ..wan.config import DiTConfig, SampleConfig
+from ..wan.schedulers import SCHEDULERS
+from .camera_files import CameraInput
+from .formats import detect_expert_format
+
+# Upper bounds that refuse absurd requests before anything is built. 1601 frames is 100 s at 16 fps;
+# 2**20 tokens is past 720p x 961 frames (upstream's longest advertised clip is 961 frames at 480p).
+MAX_FRAMES = 1601
+MAX_TOKENS = 1 << 20
+MAX_STEPS = 1000
+MAX_GUIDE_SCALE = 100.0
+MAX_FPS = 240
+
+
+class RequestError(ValueError):
+    """A request parameter that cannot be used; `param` names it in SampleConfig/plan terms."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+        self.detail = message
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked request: sizes, frame count, settings, the experts' config and the camera input."""
+
+    size: tuple  # (lat_h, lat_w, h, w)
+    frame_num: int
+    settings: SampleConfig
+    config: DiTConfig
+    camera: CameraInput | None = None
+
+    @property
+    def tokens(self) -> int:
+        return i2v.seq_len(i2v.latent_frames(self.frame_num), *self.size[:2])
+
+    def check_text(self, context: torch.Tensor, context_null: torch.Tensor) -> None:
+        for name, t in (("context", context), ("context_null", context_null)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < 1:
+                shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise RequestError(
+                    name, f"expected text embeddings [tokens, {self.config.text_dim}], got {shape}"
+                )
+            check_text_dim(t.shape[-1], self.config)
+
+    def inputs(self, image: torch.Tensor, context, context_null, device) -> dict:
+        """Keyword arguments for `pipeline.sample` (all but the VAE, the experts and the hooks)."""
+        self.check_text(context, context_null)
+        cam = None
+        if self.camera is not None:
+            cam, frames = self.camera.pack(self.config.control_type, self.frame_num, self.size, device)
+            assert frames == self.frame_num, (frames, self.frame_num)  # plan_request already capped it
+        return dict(
+            image=image, context=context, context_null=context_null, size=self.size,
+            frame_num=self.frame_num, settings=self.settings, cam=cam, device=torch.device(device),
+        )  # fmt: skip
+
+
+def check_text_dim(width: int, config: DiTConfig) -> None:
+    if width != config.text_dim:
+        raise RequestError(
+            "text",
+            f"embeddings have width {width}, the experts expect {config.text_dim} "
+            "(this text encoder does not belong to these experts)",
+        )
+
+
+def expert_pair_config(paths: dict) -> tuple[DiTConfig, dict]:
+    """(shared DiTConfig, {'high'|'low': ExpertSource}) from the two experts' headers; they must agree."""
+    sources = {k: detect_expert_format(paths[k]) for k in ("high", "low")}
+    high, low = sources["high"].dit_config, sources["low"].dit_config
+    if high != low:
+        diff = {f: (getattr(high, f), getattr(low, f)) for f in high.__dataclass_fields__}
+        raise ValueError(
+            f"the experts do not match ({paths['high']} vs {paths['low']}): "
+            + ", ".join(f"{f} high={a!r} low={b!r}" for f, (a, b) in diff.items() if a != b)
+        )
+    return high, sources
+
+
+def _number(param: str, value, lo: float, hi: float, integer: bool = False):
+    ok = isinstance(value, (int, np.integer)) if integer else isinstance(value, (int, float, np.number))
+    if isinstance(value, bool) or not ok or not math.isfinite(value) or not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise RequestError(param, f"expected {kind} in [{lo:g}, {hi:g}], got {value!r}")
+    return value
+
+
+def check_settings(settings: SampleConfig) -> SampleConfig:
+    """Every sampler setting in range, named on failure. Returns the settings unchanged."""
+    _number("sample_steps", settings.sample_steps, 1, MAX_STEPS, integer=True)
+    shift = _number("sample_shift", settings.sample_shift, 0, 1e4)
+    if shift <= 0:
+        raise RequestError("sample_shift", f"expected a number > 0, got {shift!r}")
+    _number("boundary", settings.boundary, 0, 1)
+    if len(settings.guide_scale) != 2:
+        raise RequestError(
+            "guide_scale", f"expected (low-noise, high-noise), got {len(settings.guide_scale)} values"
+        )
+    for g in settings.guide_scale:
+        _number("guide_scale", g, 0, MAX_GUIDE_SCALE)
+    _number("sample_fps", settings.sample_fps, 1, MAX_FPS, integer=True)
+    if settings.solver not in SCHEDULERS:
+        raise RequestError("solver", f"expected one of {', '.join(SCHEDULERS)}, got {settings.solver!r}")
+    seed = settings.seed
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        raise RequestError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
+    return settings
+
+
+def _size(image_hw: tuple, max_area, width, height) -> tuple:
+    if max_area is not None:
+        if width is not None or height is not None:
+            raise RequestError(
+                "size", "give a pixel budget (max_area) or an explicit width x height, not both"
+            )
+        try:
+            return i2v.latent_size(image_hw[0], image_hw[1], max_area)
+        except ValueError as e:
+            raise RequestError("max_area", str(e)) from None
+    try:
+        return i2v.explicit_size(width, height)
+    except ValueError as e:
+        raise RequestError("size", str(e)) from None
+
+
+def _frames(frame_num, camera: CameraInput | None) -> int:
+    if frame_num is not None:
+        issue = i2v.frame_num_issue(frame_num)
+        if issue:
+            raise RequestError("frame_num", issue.removeprefix("frame_num "))
+        if frame_num > MAX_FRAMES:
+            raise RequestError("frame_num", f"at most {MAX_FRAMES} frames (100 s at 16 fps), got {frame_num}")
+    if camera is None:
+        return SampleConfig.frame_num if frame_num is None else frame_num
+    # Action strings fix the length; pose files cap it (upstream's rules). Keys are bounded here too,
+    # before the pose path is built.
+    if camera.action_string is not None and camera.frames() > MAX_FRAMES:
+        raise RequestError(
+            "action_string", f"drives {camera.frames()} frames; at most {MAX_FRAMES} (100 s at 16 fps)"
+        )
+    return camera.plan(frame_num)[2]
+
+
+def plan_request(
+    image_hw: tuple,
+    config: DiTConfig,
+    settings: SampleConfig,
+    camera: CameraInput | None = None,
+    frame_num: int | None = None,
+    max_area: int | None = None,
+    width: int | None = None,
+    height: int | None = None,
+    text_dim: int | None = None,
+) -> Plan:
+    """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
+    sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
+    the frame count (None: the camera's or the default), the sizing (`max_area`, or `width` and `height`)
+    and, when known, the text encoder's output width."""
+    check_settings(settings)
+    size = _size(image_hw, max_area, width, height)
+    if camera is not None and config.control_type is None:
+        raise RequestError(
+            "camera", "these experts have no camera layers (plain Wan2.2 i2v); give no camera input"
+        )
+    frames = _frames(frame_num, camera)
+    tokens = i2v.seq_len(i2v.latent_frames(frames), *size[:2])
+    if tokens > MAX_TOKENS:
+        raise RequestError(
+            "size",
+            f"{frames} frames at {size[3]}x{size[2]} make {tokens:,} tokens, more than the {MAX_TOKENS:,} "
+            "this pack accepts; use fewer frames or a smaller size",
+        )
+    if text_dim is not None:
+        check_text_dim(text_dim, config)
+    settings = replace(settings, frame_num=frames)
+    return Plan(size=size, frame_num=frames, settings=settings, config=config, camera=camera)

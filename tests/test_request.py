@@ -1,0 +1,314 @@
+"""The one preparation path: every check of a request in one place, made before any model loads, and
+the CLI and the sampler node giving the same latent for the same request."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from lingbot_world import cli
+from lingbot_world.loaders import demo_assets, request
+from lingbot_world.loaders.camera_files import CameraInput
+from lingbot_world.wan.config import DiTConfig, SampleConfig
+from PIL import Image
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+CAM = DiTConfig(text_dim=32)
+PLAIN = replace(CAM, control_type=None)
+DEFAULTS = SampleConfig()
+
+
+@pytest.fixture(autouse=True)
+def embedding_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return demo_assets.ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+def plan(settings=DEFAULTS, **kw):
+    kw = {"max_area": 64 * 112, **kw}
+    return request.plan_request((480, 832), kw.pop("config", CAM), settings, **kw)
+
+
+# ------------------------------------------------------------------ plan_request
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"sample_steps": 0}, "sample_steps"),
+        ({"sample_steps": 1001}, "sample_steps"),
+        ({"sample_steps": 2.5}, "sample_steps"),
+        ({"sample_shift": 0.0}, "sample_shift"),
+        ({"sample_shift": float("nan")}, "sample_shift"),
+        ({"boundary": 1.5}, "boundary"),
+        ({"guide_scale": (1.0, 2.0, 3.0)}, "guide_scale"),
+        ({"guide_scale": (float("inf"), 5.0)}, "guide_scale"),
+        ({"guide_scale": (-1.0, 5.0)}, "guide_scale"),
+        ({"sample_fps": 0}, "sample_fps"),
+        ({"solver": "dpm"}, "solver"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+    ],
+)
+def test_settings_out_of_range_are_named(change, param):
+    with pytest.raises(request.RequestError) as err:
+        plan(replace(SampleConfig(), **change))
+    assert err.value.param == param and str(err.value).startswith(param)
+
+
+def test_frames_and_sizes_are_bounded_before_anything_is_built():
+    with pytest.raises(request.RequestError, match="at most 1601") as err:
+        plan(frame_num=100001)
+    assert err.value.param == "frame_num"
+    with pytest.raises(request.RequestError, match="4n\\+1"):
+        plan(frame_num=8)
+    with pytest.raises(request.RequestError, match="tokens") as err:
+        plan(frame_num=1601, max_area=None, width=1280, height=1280)
+    assert err.value.param == "size"
+    with pytest.raises(request.RequestError, match="not both"):
+        plan(width=832, height=480)
+    with pytest.raises(request.RequestError, match="multiple of 16"):
+        plan(max_area=None, width=830, height=480)
+
+
+def test_action_string_is_bounded_and_sets_the_length(shipped_example):
+    cam = CameraInput.from_dir(shipped_example, "w-100000")
+    with pytest.raises(request.RequestError, match="at most 1601") as err:
+        plan(camera=cam)
+    assert err.value.param == "action_string"
+    assert plan(camera=CameraInput.from_dir(shipped_example, "w-10,a-6")).frame_num == 17
+
+
+def test_plan_caps_frames_at_the_pose_path_and_checks_the_experts(shipped_example):
+    cam = CameraInput.from_dir(shipped_example)
+    p = plan(camera=cam, frame_num=81)
+    assert p.frame_num == p.settings.frame_num == min(81, (len(cam.poses) - 1) // 4 * 4 + 1)
+    assert p.size == (8, 12, 64, 96) and p.tokens == 21 * 8 * 12 // 4  # upstream sizing of 480x832
+    with pytest.raises(request.RequestError, match="no camera layers"):
+        plan(camera=cam, config=PLAIN)
+    with pytest.raises(request.RequestError, match="width 4096, the experts expect 32"):
+        plan(text_dim=4096)
+
+
+def test_inputs_pack_the_camera_and_check_the_text(shipped_example):
+    p = plan(camera=CameraInput.from_dir(shipped_example), frame_num=9)
+    image = torch.zeros(3, 480, 832)
+    ctx = torch.zeros(5, 32)
+    inputs = p.inputs(image, ctx, ctx, "cpu")
+    assert inputs["cam"].shape == (1, 384, 3, 8, 12) and torch.isfinite(inputs["cam"]).all()
+    assert inputs["frame_num"] == 9 and inputs["size"] == p.size and inputs["settings"] is p.settings
+    with pytest.raises(request.RequestError, match="width 16"):
+        p.inputs(image, torch.zeros(5, 16), ctx, "cpu")
+    with pytest.raises(request.RequestError, match="context_null"):
+        p.inputs(image, ctx, torch.zeros(5), "cpu")
+
+
+# ------------------------------------------------------------------ the CLI refuses before anything loads
+
+
+def args_for(ckpt, example, out, *extra):
+    return [
+        "generate", "--ckpt_dir", str(ckpt), "--image", str(example / "image.jpg"),
+        "--prompt", "a castle", "--action_path", str(example), "--size", "64*112",
+        "--frame_num", "9", "--sampling_steps", "4", "--device", "cpu", "--output", str(out), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Any model load during the test fails it: the errors must come first."""
+
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    for name in ("encode_prompts",):
+        monkeypatch.setattr(cli.text_encode, name, loaded)
+    monkeypatch.setattr(cli, "load_vae", loaded)
+    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
+
+
+def _set(args, flag, *values):
+    if flag in args:
+        i = args.index(flag)
+        args[i + 1 : i + 2] = list(values)
+    else:
+        args += [flag, *values]
+    return args
+
+
+@pytest.mark.parametrize(
+    "flag, values, needle",
+    [
+        ("--sampling_steps", ["0"], "--sampling_steps: expected an integer in [1, 1000]"),
+        ("--seed", ["18446744073709551616"], "--seed: expected an integer"),
+        ("--fps", ["0"], "--fps: expected an integer in [1, 240]"),
+        ("--frame_num", ["100001"], "--frame_num: at most 1601"),
+        ("--boundary", ["2"], "--boundary: expected a number in [0, 1]"),
+        ("--device", ["mps"], "--device: only cpu and cuda"),
+        ("--device", ["nonsense"], "--device: expected cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_values_exit_2_before_loading(
+    ckpt, shipped_example, tmp_path, capsys, nothing_loads, flag, values, needle
+):
+    out = tmp_path / "o.mp4"
+    assert cli.main(_set(args_for(ckpt, shipped_example, out), flag, *values)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_action_string_too_long_exits_2_quickly(ckpt, shipped_example, tmp_path, capsys, nothing_loads):
+    t = time.perf_counter()
+    args = args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--action_string", "w-100000")
+    i = args.index("--frame_num")
+    del args[i : i + 2]  # the keys set the length
+    assert cli.main(args) == 2
+    assert "--action_string: drives 100001 frames" in capsys.readouterr().err
+    assert time.perf_counter() - t < 10
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_device_without_cuda(ckpt, shipped_example, tmp_path, capsys, nothing_loads):
+    assert cli.main(_set(args_for(ckpt, shipped_example, tmp_path / "o.mp4"), "--device", "cuda")) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_first(ckpt, shipped_example, tmp_path, capsys, nothing_loads):
+    assert cli.main(args_for(ckpt, shipped_example, tmp_path / "missing" / "o.mp4")) == 2
+    assert "output folder" in capsys.readouterr().err and not (tmp_path / "missing").exists()
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    assert cli.main(args_for(ckpt, shipped_example, folder, "--overwrite")) == 2
+    assert "is a folder" in capsys.readouterr().err and folder.is_dir()
+    args = args_for(
+        ckpt, shipped_example, tmp_path / "o.mp4", "--save_latent", str(tmp_path / "no" / "x.latent")
+    )
+    assert cli.main(args) == 2
+    assert "output folder" in capsys.readouterr().err
+
+
+def test_guide_scale_takes_one_or_two_values(ckpt, shipped_example, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(_set(args_for(ckpt, shipped_example, tmp_path / "o.mp4"), "--guide_scale", "1", "2", "3"))
+    assert exit_info.value.code == 2
+    assert "error: argument --guide_scale: takes one or two values" in capsys.readouterr().err
+    assert cli.guide_pair([3.0]) == (3.0, 3.0) and cli.guide_pair([1.0, 2.0]) == (1.0, 2.0)
+
+
+def test_text_encoder_of_another_width_is_refused_before_encoding(
+    ckpt, shipped_example, tmp_path, capsys, monkeypatch, nothing_loads
+):
+    monkeypatch.setattr(cli, "read_encoder_config", lambda path: {"dim": 4096})
+    assert cli.main(args_for(ckpt, shipped_example, tmp_path / "o.mp4")) == 2
+    assert "text encoder: embeddings have width 4096, the experts expect 32" in capsys.readouterr().err
+
+
+def test_bad_vae_is_reported_before_encoding(ckpt, shipped_example, tmp_path, capsys, nothing_loads):
+    bad = tmp_path / "ckpt"
+    bad.mkdir()
+    for entry in ckpt.iterdir():
+        (bad / entry.name).symlink_to(entry)
+    (bad / "Wan2.1_VAE.pth").unlink()
+    (bad / "Wan2.1_VAE.pth").symlink_to(ckpt / "models_t5_umt5-xxl-enc-bf16.pth")  # the wrong model
+    assert cli.main(args_for(bad, shipped_example, tmp_path / "o.mp4")) == 2
+    assert "not a Wan VAE checkpoint" in capsys.readouterr().err
+
+
+def test_sigterm_ends_cleanly(ckpt, shipped_example, tmp_path):
+    """SIGTERM mid-run: exit 143, no output or partial file, no child left (the T5 child included)."""
+    out = tmp_path / "o.mp4"
+    args = [sys.executable, str(ROOT / "lingbot.py"), *args_for(ckpt, shipped_example, out)]
+    env = {**os.environ, "LINGBOT_WORLD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    time.sleep(6)  # inside text encoding or sampling
+    proc.send_signal(signal.SIGTERM)
+    log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 143, log[-2000:]
+    assert "terminated" in log and "Traceback" not in log
+    assert not out.exists() and not list(tmp_path.glob(".*partial*"))
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+    assert children.strip() == ""
+
+
+# ------------------------------------------------------------------ CLI and sampler node: one path
+
+
+def _fake_comfy(monkeypatch, ckpt, input_dir):
+    """The few ComfyUI runtime modules the nodes import, as plain CPU stand-ins, so the node code runs
+    here as it runs in ComfyUI (the real-ComfyUI tests cover the server itself)."""
+    mm = types.ModuleType("comfy.model_management")
+    cpu = torch.device("cpu")
+    for name in ("get_torch_device", "intermediate_device", "vae_device", "text_encoder_device"):
+        setattr(mm, name, lambda: cpu)
+    mm.free_memory = lambda nbytes, device: None
+    mm.soft_empty_cache = lambda: None
+    mm.throw_exception_if_processing_interrupted = lambda: None
+    utils = types.ModuleType("comfy.utils")
+
+    class ProgressBar:
+        def __init__(self, total):
+            self.total = total
+
+        def update_absolute(self, value, total=None, preview=None):
+            pass
+
+    utils.ProgressBar = ProgressBar
+    comfy = types.ModuleType("comfy")
+    comfy.model_management, comfy.utils = mm, utils
+    roots = {"diffusion_models": [str(ckpt)], "text_encoders": [str(ckpt)], "vae": [str(ckpt)]}
+    fp = types.ModuleType("folder_paths")
+    fp.get_folder_paths = lambda kind: roots[kind]
+    fp.get_filename_list = lambda kind: sorted(p.name for p in Path(roots[kind][0]).iterdir())
+    fp.get_input_directory = lambda: str(input_dir)
+    for name, module in (
+        ("comfy", comfy),
+        ("comfy.model_management", mm),
+        ("comfy.utils", utils),
+        ("folder_paths", fp),
+    ):
+        monkeypatch.setitem(sys.modules, name, module)
+    for name in [n for n in sys.modules if n.startswith("lingbot_world.nodes")]:
+        monkeypatch.delitem(sys.modules, name)
+    import lingbot_world.nodes as nodes
+
+    return nodes
+
+
+def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, monkeypatch):
+    latent_file = tmp_path / "cli.latent"
+    args = args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess", "--seed", "7",
+                    "--guide_scale", "4", "6", "--save_latent", str(latent_file))  # fmt: skip
+    assert cli.main(args) == 0
+    saved = load_file(str(latent_file))
+    assert set(saved) == {"latent_tensor", "latent_format_version_0"}
+
+    nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
+    (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(ckpt))
+    (text,) = nodes.LingBotTextEncode().encode(
+        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
+    )
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    camera, frames = nodes.LingBotCamera().load(str(shipped_example))
+    with Image.open(shipped_example / "image.jpg") as img:  # what core Load Image gives
+        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    (out,) = nodes.LingBotSampler().sample(
+        experts, text, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
+        camera=camera,
+    )  # fmt: skip
+    assert out["samples"].shape == saved["latent_tensor"].shape == (1, 16, 3, 6, 14)
+    assert torch.equal(out["samples"], saved["latent_tensor"])

@@ -28,7 +28,27 @@ FFN_CHUNK = 32768
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included."""
+    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included.
+
+    A layer carrying LoRA adapters (a `lora` submodule, see `wan.lora`) adds their unmerged side
+    path: `((x @ down.T) @ up.T) * scale` per low-rank adapter, `(x @ diff.T) * scale` per dense
+    weight delta, and its summed bias delta, all in `dtype`. Without adapters nothing changes.
+    """
+    out = _linear(layer, x, dtype)
+    side = layer._modules.get("lora")
+    if side is None:
+        return out
+    xd = x.to(dtype)
+    for down, up, scale in side.paths():
+        h = F.linear(xd, down.to(dtype))
+        if up is not None:
+            h = F.linear(h, up.to(dtype))
+        out = out + h * scale
+    bias = side.bias()
+    return out if bias is None else out + bias.to(dtype)
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     weight = layer.weight
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is not None:  # bitsandbytes Params4bit

@@ -49,7 +49,7 @@ DIFFUSERS = {
     "patch_embedding_wancamctrl": "patch_embedding_wancamctrl",
 }
 LINEARS = list(DIFFUSERS)
-LAYOUTS = ("comfy", "comfy_ab", "kohya", "musubi", "peft")
+LAYOUTS = ("comfy", "comfy_ab", "kohya", "wan_fun", "peft")
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def lowrank_file(path, patches: dict, layout: str) -> None:
             "comfy": (f"diffusion_model.{t}", ("lora_down", "lora_up")),
             "comfy_ab": (f"diffusion_model.{t}", ("lora_A", "lora_B")),
             "kohya": ("lora_unet_" + t.replace(".", "_"), ("lora_down", "lora_up")),
-            "musubi": ("lora_unet__" + t.replace(".", "_"), ("lora_down", "lora_up")),
+            "wan_fun": ("lora_unet__" + t.replace(".", "_"), ("lora_down", "lora_up")),
         }[layout]
         sd[f"{base}.{d}.weight"], sd[f"{base}.{u}.weight"] = down, up
         sd[f"{base}.alpha"] = torch.tensor(ALPHA)
@@ -475,3 +475,36 @@ def test_lora_load_time_is_seconds(nf4_dir, tmp_path):
     assert len(handles[0].lora.patches) == len(targets) == 37
     print(f"tiny LoRA ({len(targets)} layers) read + attach: {elapsed * 1e3:.1f} ms")
     assert elapsed < 5.0
+
+
+def test_key_names_map_to_our_layers():
+    """Prefixes and names of the other layouts, including diffusers' norm/modulation names."""
+    from lingbot_world.loaders.lora import match_keys
+    from lingbot_world.wan.lora import lora_targets
+
+    targets = lora_targets(build_expert_meta(CFG))
+    cases = {
+        "model.diffusion_model.blocks.1.cross_attn.q.lora_down.weight": ("blocks.1.cross_attn.q", "down"),
+        "base_model.model.blocks.0.attn2.to_v.lora_B.default.weight": ("blocks.0.cross_attn.v", "up"),
+        "lycoris_blocks_1_ffn_2.lora_up.weight": ("blocks.1.ffn.2", "up"),
+        "lora_transformer_blocks_0_attn1_to_out_0.alpha": ("blocks.0.self_attn.o", "alpha"),
+        "transformer.blocks.1.norm2.diff": ("blocks.1.norm3", "diff"),  # diffusers norm2 = cross-attn norm
+        "transformer.blocks.0.attn1.norm_k.diff": ("blocks.0.self_attn.norm_k", "diff"),
+        "transformer.blocks.0.scale_shift_table.diff": ("blocks.0.modulation", "diff"),
+        "transformer.scale_shift_table.diff": ("head.modulation", "diff"),
+        "diffusion_model.head.head.weight.diff": ("head.head", "diff"),
+        "diffusion_model.blocks.0.norm3.bias.diff": ("blocks.0.norm3", "diff_b"),
+        "diffusion_model.time_projection.1.diff_b": ("time_projection.1", "diff_b"),
+        "diffusion_model.c2ws_hidden_states_layer2.lora_A.weight": ("c2ws_hidden_states_layer2", "down"),
+        "lora_unet_blocks_1_cam_scale_layer.lora_down.weight": ("blocks.1.cam_scale_layer", "down"),
+    }
+    groups, unmatched = match_keys(list(cases), targets)
+    assert unmatched == []
+    assert {(t, p) for t, parts in groups.items() for p in parts} == set(cases.values())
+    for target, parts in groups.items():
+        for part, key in parts.items():
+            assert cases[key] == (target, part)
+    # plain Wan2.2 (no camera layers): the camera keys match nothing
+    plain = lora_targets(build_expert_meta(S.tiny_config(None)))
+    _, unmatched = match_keys(list(cases), plain)
+    assert sorted(unmatched) == sorted(k for k in cases if "c2ws" in k or "cam_" in k)

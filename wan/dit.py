@@ -31,21 +31,25 @@ def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included.
 
     A layer carrying LoRA adapters (a `lora` submodule, see `wan.lora`) adds their unmerged side
-    path: `((x @ down.T) @ up.T) * scale` per low-rank adapter, `(x @ diff.T) * scale` per dense
-    weight delta, and its summed bias delta, all in `dtype`. Without adapters nothing changes.
+    path in `dtype`: `((x @ down.T) @ up.T) * scale` per low-rank adapter, `(x @ diff.T) * scale`
+    per dense weight delta, then its summed bias delta; each product is accumulated into the output
+    by one in-place GEMM (no output-sized temporary). Without adapters nothing changes.
     """
-    out = _linear(layer, x, dtype)
     side = layer._modules.get("lora")
     if side is None:
-        return out
-    xd = x.to(dtype)
+        return _linear(layer, x, dtype)
+    x = x.to(dtype)
+    out = _linear(layer, x, dtype).contiguous()
+    flat, x2 = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
     for down, up, scale in side.paths():
-        h = F.linear(xd, down.to(dtype))
-        if up is not None:
-            h = F.linear(h, up.to(dtype))
-        out = out + h * scale
+        if up is None:
+            flat.addmm_(x2, down.to(dtype).T, alpha=scale)
+        else:
+            flat.addmm_(x2 @ down.to(dtype).T, up.to(dtype).T, alpha=scale)
     bias = side.bias()
-    return out if bias is None else out + bias.to(dtype)
+    if bias is not None:
+        flat.add_(bias.to(dtype))
+    return out
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -83,7 +83,7 @@ class Target:
     what: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoraHandle:
     id: int
     lora: Lora

@@ -28,7 +28,31 @@ FFN_CHUNK = 32768
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included."""
+    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included.
+
+    A layer carrying LoRA adapters (a `lora` submodule, see `wan.lora`) adds their unmerged side
+    path in `dtype`: `((x @ down.T) @ up.T) * scale` per low-rank adapter, `(x @ diff.T) * scale`
+    per dense weight delta, then its summed bias delta; each product is accumulated into the output
+    by one in-place GEMM (no output-sized temporary). Without adapters nothing changes.
+    """
+    side = layer._modules.get("lora")
+    if side is None:
+        return _linear(layer, x, dtype)
+    x = x.to(dtype)
+    out = _linear(layer, x, dtype).contiguous()
+    flat, x2 = out.view(-1, out.shape[-1]), x.reshape(-1, x.shape[-1])
+    for down, up, scale in side.paths():
+        if up is None:
+            flat.addmm_(x2, down.to(dtype).T, alpha=scale)
+        else:
+            flat.addmm_(x2 @ down.to(dtype).T, up.to(dtype).T, alpha=scale)
+    bias = side.bias()
+    if bias is not None:
+        flat.add_(bias.to(dtype))
+    return out
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     weight = layer.weight
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is not None:  # bitsandbytes Params4bit

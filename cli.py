@@ -22,6 +22,7 @@ from tqdm import tqdm
 from .loaders import camera_files, checkpoints, demo_assets, monitor, text_encode, video
 from .loaders.experts import ExpertSwitcher
 from .loaders.latent_file import save_comfy_latent
+from .loaders.lora import LoraSpec, parse_lora_spec
 from .loaders.request import RequestError, plan_request
 from .loaders.text_encoder import read_encoder_config
 from .loaders.vae import check_vae, load_vae
@@ -37,6 +38,13 @@ def parse_size(text: str) -> int:
         return i2v.parse_max_area(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"--size: {err}") from None
+
+
+def parse_lora(text: str) -> LoraSpec:
+    try:
+        return parse_lora_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_generate_args(p: argparse.ArgumentParser):
@@ -71,6 +79,16 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quantize", action="store_true", help="quantize bf16 experts to NF4 while loading")
+    p.add_argument(
+        "--lora", type=parse_lora, action="append", default=[], metavar="FILE[:STRENGTH[:high|low|both]]",
+        help="apply a LoRA .safetensors (repeatable; default strength 1 on both experts) as a low-rank path "
+        "beside the NF4 weights",
+    )  # fmt: skip
+    p.add_argument(
+        "--lora_allow_unmatched",
+        action="store_true",
+        help="warn about LoRA keys that match no layer, not fail",
+    )
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="auto", help="'auto', 'none' or H,W tile size in latent pixels")
@@ -102,7 +120,7 @@ FLAGS = {
     "sample_steps": "--sampling_steps", "sample_shift": "--sample_shift", "boundary": "--boundary",
     "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
-    "action_string": "--action_string", "camera": "--action_path", "text": "text encoder",
+    "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
 }  # fmt: skip
 
 
@@ -195,7 +213,8 @@ def run_generate(args) -> int:
     )  # fmt: skip
     plan = plan_request(
         image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
-        max_area=args.size, text_dim=text_dim,
+        max_area=args.size, text_dim=text_dim, loras=args.lora,
+        allow_unmatched_lora_keys=args.lora_allow_unmatched,
     )  # fmt: skip
     settings, (h, w) = plan.settings, plan.size[2:]
     log = monitor.PhaseLog()
@@ -212,7 +231,7 @@ def run_generate(args) -> int:
     del context, context_null
     with log.phase("load_vae"):
         vae = load_vae(files.vae, device)
-    switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None)
+    switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None, loras=plan.loras)
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:

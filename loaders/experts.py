@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..wan.lora import attach_lora
 from .monitor import free_memory
 from .stream import load_expert, release
 
@@ -20,7 +21,9 @@ def module_bytes(module: torch.nn.Module) -> int:
 class ExpertSwitcher:
     """Callable `switcher('high'|'low') -> WanModel` for `wan.pipeline`."""
 
-    def __init__(self, paths: dict, device, quantize: bool | None = None, ram_budget: int = 0, on_load=None):
+    def __init__(
+        self, paths: dict, device, quantize: bool | None = None, ram_budget: int = 0, on_load=None, loras=None
+    ):
         missing = {"high", "low"} - set(paths)
         if missing:
             raise ValueError(f"expert paths: missing {sorted(missing)}; expected keys 'high' and 'low'")
@@ -29,6 +32,8 @@ class ExpertSwitcher:
         self.quantize = quantize
         self.ram_budget = ram_budget
         self.on_load = on_load  # optional callback(name, model) after a load, e.g. for logging
+        # {'high'|'low': [wan.lora.Lora]}: attached after each load from disk (parked experts keep theirs)
+        self.loras = loras or {}
         self.loads = 0  # how many times an expert was streamed from disk
         self._name = None
         self._model = None
@@ -46,6 +51,12 @@ class ExpertSwitcher:
         else:
             model = load_expert(self.paths[name], self.device, quantize=self.quantize)
             self.loads += 1
+            try:
+                for lora in self.loras.get(name, ()):
+                    attach_lora(model, lora)
+            except BaseException:
+                release(model)
+                raise
         self._name, self._model = name, model
         if self.on_load is not None:
             self.on_load(name, model)

@@ -13,7 +13,7 @@ its own words (`--sampling_steps` on the command line, `steps` on the node).
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from ..wan import i2v
 from ..wan.config import DiTConfig, SampleConfig
 from ..wan.schedulers import SCHEDULERS
 from .camera_files import CameraInput
-from .formats import detect_expert_format
+from .formats import detect_expert_format, meta_model
+from .lora import LoraSpec, read_loras
 
 # Upper bounds that refuse absurd requests before anything is built. 1601 frames is 100 s at 16 fps;
 # 2**20 tokens is past 720p x 961 frames (upstream's longest advertised clip is 961 frames at 480p).
@@ -51,6 +52,7 @@ class Plan:
     settings: SampleConfig
     config: DiTConfig
     camera: CameraInput | None = None
+    loras: dict = field(default_factory=dict)  # {'high'|'low': [wan.lora.Lora]}, read and checked
 
     @property
     def tokens(self) -> int:
@@ -174,11 +176,14 @@ def plan_request(
     width: int | None = None,
     height: int | None = None,
     text_dim: int | None = None,
+    loras: tuple = (),
+    allow_unmatched_lora_keys: bool = False,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
     the frame count (None: the camera's or the default), the sizing (`max_area`, or `width` and `height`)
-    and, when known, the text encoder's output width."""
+    and, when known, the text encoder's output width. `loras` (LoraSpecs) are read and checked against
+    the experts' layers here, once, so a wrong file is refused before any expert streams in."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -196,4 +201,19 @@ def plan_request(
     if text_dim is not None:
         check_text_dim(text_dim, config)
     settings = replace(settings, frame_num=frames)
-    return Plan(size=size, frame_num=frames, settings=settings, config=config, camera=camera)
+    return Plan(
+        size=size, frame_num=frames, settings=settings, config=config, camera=camera,
+        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys),
+    )  # fmt: skip
+
+
+def read_expert_loras(specs, config: DiTConfig, allow_unmatched: bool = False) -> dict:
+    """{'high': [Lora], 'low': [Lora]} for LoraSpecs, checked against the experts' structure (meta)."""
+    specs = tuple(specs)
+    for spec in specs:
+        if not isinstance(spec, LoraSpec):
+            raise RequestError("lora", f"expected LoraSpec entries, got {type(spec).__name__}")
+    if not specs:
+        return {}
+    model = meta_model(config)
+    return {e: read_loras(specs, model, e, allow_unmatched) for e in ("high", "low")}

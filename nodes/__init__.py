@@ -1,13 +1,14 @@
 """ComfyUI adapters: the only code in the pack that imports comfy.* (through nodes/memory.py)."""
 
 from .camera import LingBotCamera
-from .models import LingBotExpertsLoader
+from .models import LingBotExpertsLoader, LingBotLoRA
 from .sampler import LingBotSampler
 from .text import LingBotTextEncode
 from .vae import LingBotVAEDecode, LingBotVAELoader
 
 _NODES = {
     "LingBotExpertsLoader": (LingBotExpertsLoader, "LingBot Experts Loader (NF4 streaming)"),
+    "LingBotLoRA": (LingBotLoRA, "LingBot LoRA"),
     "LingBotTextEncode": (LingBotTextEncode, "LingBot Text Encode (umT5)"),
     "LingBotCamera": (LingBotCamera, "LingBot Camera Path"),
     "LingBotVAELoader": (LingBotVAELoader, "LingBot VAE Loader (Wan2.1)"),

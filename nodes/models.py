@@ -1,13 +1,15 @@
 """Experts loader node: validates both DiT experts at node time, loads nothing until sampling."""
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import folder_paths
 
 from ..loaders.experts import ExpertSwitcher
 from ..loaders.formats import CONFIG, DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, find_experts
+from ..loaders.lora import EXPERTS as LORA_EXPERTS
+from ..loaders.lora import LoraSpec
 from ..loaders.request import expert_pair_config
 from ..wan.config import DiTConfig
 from . import memory
@@ -68,19 +70,29 @@ class ExpertsHandle:
     nbytes: dict  # stored bytes per expert, for make_room
     quantize: bool | None
     ram_budget: int
+    loras: tuple = ()  # LoraSpecs from LingBot LoRA nodes, in chain order
+    allow_unmatched_lora_keys: bool = False
     _switcher: ExpertSwitcher | None = field(default=None, repr=False)
 
-    def switcher(self, device) -> ExpertSwitcher:
+    def switcher(self, device, loras: dict) -> ExpertSwitcher:
+        """`loras`: the plan's LoRAs read for these specs (the same on every run of this handle)."""
         if self._switcher is None or self._switcher.device != device:
             self.close()
             self._switcher = ExpertSwitcher(
-                self.paths, device, quantize=self.quantize, ram_budget=self.ram_budget
+                self.paths, device, quantize=self.quantize, ram_budget=self.ram_budget, loras=loras
             )
         return self._switcher
 
-    def provider(self, device, working_bytes: int):
+    def with_lora(self, spec: LoraSpec, allow_unmatched: bool) -> "ExpertsHandle":
+        """A new handle (own switcher, own parked experts) with one more LoRA."""
+        return replace(
+            self, loras=(*self.loras, spec), _switcher=None,
+            allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
+        )  # fmt: skip
+
+    def provider(self, device, working_bytes: int, loras: dict):
         """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load."""
-        switcher = self.switcher(device)
+        switcher = self.switcher(device, loras)
 
         def experts(name: str):
             if switcher.resident != name:
@@ -173,3 +185,45 @@ class LingBotExpertsLoader:
             ram_budget=int(keep_in_ram_gb * memory.GIB),
         )
         return (handle,)
+
+
+class LingBotLoRA:
+    DESCRIPTION = (
+        "Adds a LoRA (.safetensors from models/loras: ComfyUI/kohya, peft/diffusers or step-distill diff "
+        "layouts) to the experts as a low-rank path beside the NF4 weights: nothing is re-quantized. Chain "
+        "several to stack them."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_TYPES = (EXPERTS,)
+    RETURN_NAMES = ("experts",)
+    OUTPUT_TOOLTIPS = ("The experts with this LoRA added; it is read and checked when sampling starts.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "experts": (EXPERTS, {"tooltip": "From LingBot Experts Loader or another LingBot LoRA."}),
+                "lora_name": (folder_paths.get_filename_list("loras"), {
+                    "tooltip": "A Wan2.2 14B (or Wan2.1 14B) LoRA .safetensors from models/loras.",
+                }),
+                "strength": ("FLOAT", {
+                    "default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
+                    "tooltip": "Multiplier of the LoRA's delta (0 = off).",
+                }),
+                "apply_to": (list(LORA_EXPERTS), {
+                    "default": "both",
+                    "tooltip": "Which expert gets it: both, high (high-noise, first steps) or low (low-noise).",
+                }),
+                "allow_unmatched_keys": ("BOOLEAN", {
+                    "default": False,
+                    "tooltip": "Warn about keys that match no layer instead of failing (e.g. Wan2.1 image-attention keys).",
+                }),
+            },
+        }  # fmt: skip
+
+    def apply(self, experts, lora_name, strength, apply_to, allow_unmatched_keys):
+        spec = LoraSpec(resolve_model("loras", lora_name), strength, apply_to)
+        if not spec.path.suffix.lower() == ".safetensors":
+            raise ValueError(f"lora_name: {lora_name!r} is not a .safetensors file")
+        return (experts.with_lora(spec, allow_unmatched_keys),)

@@ -147,8 +147,9 @@ class LingBotSampler:
         device = memory.torch_device()
         try:
             plan = plan_request(
-                img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, **sizing
-            )
+                img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, loras=experts.loras,
+                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, **sizing,
+            )  # fmt: skip
             inputs = plan.inputs(img, text.context, text.context_null, device)
         except RequestError as e:
             raise ValueError(f"{WIDGETS.get(e.param, e.param)}: {e.detail}") from None
@@ -157,7 +158,7 @@ class LingBotSampler:
         hooks, phases = memory.sampling_hooks(steps)
         try:
             latent = pipeline.sample(
-                vae=vae, experts=experts.provider(device, work), release_experts=experts.release, hooks=hooks,
+                vae=vae, experts=experts.provider(device, work, plan.loras), release_experts=experts.release, hooks=hooks,
                 **inputs,
             )  # fmt: skip
         except BaseException as e:

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 import torch
 from lingbot_world import cli
-from lingbot_world.loaders import demo_assets, request
+from lingbot_world.loaders import checkpoints, demo_assets, request
 from lingbot_world.loaders.camera_files import CameraInput
+from lingbot_world.loaders.experts import ExpertSwitcher
+from lingbot_world.loaders.lora import LoraSpec
 from lingbot_world.wan.config import DiTConfig, SampleConfig
+from lingbot_world.wan.lora import LoraError, attached_loras
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CAM = DiTConfig(text_dim=32)
@@ -270,7 +273,12 @@ def _fake_comfy(monkeypatch, ckpt, input_dir):
     utils.ProgressBar = ProgressBar
     comfy = types.ModuleType("comfy")
     comfy.model_management, comfy.utils = mm, utils
-    roots = {"diffusion_models": [str(ckpt)], "text_encoders": [str(ckpt)], "vae": [str(ckpt)]}
+    roots = {
+        "diffusion_models": [str(ckpt)],
+        "text_encoders": [str(ckpt)],
+        "vae": [str(ckpt)],
+        "loras": [str(input_dir)],
+    }
     fp = types.ModuleType("folder_paths")
     fp.get_folder_paths = lambda kind: roots[kind]
     fp.get_filename_list = lambda kind: sorted(p.name for p in Path(roots[kind][0]).iterdir())
@@ -289,16 +297,46 @@ def _fake_comfy(monkeypatch, ckpt, input_dir):
     return nodes
 
 
+def tiny_lora(path, config, seed=0, rank=2):
+    """A kohya-layout LoRA on a few of the experts' Linears."""
+    g = torch.Generator().manual_seed(seed)
+    dim, ffn = config.dim, config.ffn_dim
+    tensors = {}
+    for name, (out_f, in_f) in {"blocks_0_self_attn_q": (dim, dim), "blocks_1_ffn_0": (ffn, dim)}.items():
+        tensors[f"lora_unet_{name}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
+        tensors[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
+        tensors[f"lora_unet_{name}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path))
+    return path
+
+
+def test_switcher_attaches_the_plans_loras(ckpt, tmp_path):
+    files = checkpoints.resolve_checkpoint_dir(ckpt)
+    lora = tiny_lora(tmp_path / "l.safetensors", files.config)
+    p = plan(config=files.config, loras=[LoraSpec(lora, 0.5, "low")])
+    assert [len(p.loras[e]) for e in ("high", "low")] == [0, 1]
+    switcher = ExpertSwitcher(files.experts, "cpu", loras=p.loras)
+    assert attached_loras(switcher("high")) == []
+    assert [h.lora.strength for h in attached_loras(switcher("low"))] == [0.5]
+    switcher.close()
+    with pytest.raises(LoraError, match="match"):
+        plan(config=replace(files.config, num_layers=1), loras=[LoraSpec(lora)])  # blocks.1 does not exist
+
+
 def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, monkeypatch):
+    """The same request (a LoRA on the low-noise expert included) through both front ends."""
     latent_file = tmp_path / "cli.latent"
+    lora = tiny_lora(tmp_path / "style.safetensors", checkpoints.resolve_checkpoint_dir(ckpt).config)
     args = args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess", "--seed", "7",
-                    "--guide_scale", "4", "6", "--save_latent", str(latent_file))  # fmt: skip
+                    "--guide_scale", "4", "6", "--save_latent", str(latent_file),
+                    "--lora", f"{lora}:0.7:low")  # fmt: skip
     assert cli.main(args) == 0
     saved = load_file(str(latent_file))
     assert set(saved) == {"latent_tensor", "latent_format_version_0"}
 
     nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
     (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(ckpt))
+    (experts,) = nodes.LingBotLoRA().apply(experts, lora.name, 0.7, "low", False)
     (text,) = nodes.LingBotTextEncode().encode(
         "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
     )

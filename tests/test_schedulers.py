@@ -15,7 +15,6 @@ from lingbot_world.wan.schedulers import (
     FlowUniPCScheduler,
     cfg,
     expert_for_timestep,
-    expert_split,
     guide_scale_for,
     make_scheduler,
 )
@@ -24,6 +23,12 @@ UPSTREAM = Path("/work/ref/lingbot/wan/utils/fm_solvers_unipc.py")
 
 
 # ---------------------------------------------------------------- schedule
+
+
+def expert_split(steps: int, shift: float, boundary: float) -> tuple[int, int]:
+    """(high-noise steps, low-noise steps): the expert the pipeline picks at each scheduler timestep."""
+    which = [expert_for_timestep(t, boundary) for t in FlowUniPCScheduler(steps, shift).timesteps]
+    return which.count("high"), which.count("low")
 
 
 def test_expert_split_defaults():

@@ -7,7 +7,6 @@ import torch
 NUM_TRAIN_TIMESTEPS = 1000
 VAE_STRIDE = (4, 8, 8)
 PATCH_SIZE = (1, 2, 2)
-PARAM_DTYPE = torch.bfloat16
 T5_DTYPE = torch.bfloat16
 TEXT_LEN = 512
 # Intrinsics in poses/intrinsics.npy are given at this pixel size (upstream hard-codes it).

@@ -19,21 +19,15 @@ VAE = "LINGBOT_VAE"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _stats(vae: WanVAE, device):
-    mean = torch.tensor(vae.latent_mean, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-    std = torch.tensor(vae.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-    return mean, std
-
-
 def to_comfy_latent(vae: WanVAE, latent: torch.Tensor) -> torch.Tensor:
     """Normalised [16, T, h, w] -> ComfyUI's un-normalised [1, 16, T, h, w]."""
-    mean, std = _stats(vae, latent.device)
+    mean, std = vae.latent_stats(latent.device)
     return (latent.float() * std + mean)[None]
 
 
 def from_comfy_latent(vae: WanVAE, samples: torch.Tensor) -> torch.Tensor:
     """ComfyUI's un-normalised [16, T, h, w] -> normalised, as WanVAE.decode takes it."""
-    mean, std = _stats(vae, samples.device)
+    mean, std = vae.latent_stats(samples.device)
     return (samples.float() - mean) / std
 
 

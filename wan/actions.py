@@ -127,7 +127,7 @@ def actions_to_poses(wasd, ijkl=None) -> np.ndarray:
 
 class Act2Cam(NamedTuple):
     poses: np.ndarray  # [frame_num + 1, 4, 4] float64 c2w; pass to camera_conditioning(act2cam=True)
-    wasd: np.ndarray  # [frame_num, 4] keys actually used (e.g. for an on-screen key overlay)
+    wasd: np.ndarray  # [frame_num, 4] keys per video frame, no-key padding included
     ijkl: np.ndarray  # [frame_num, 4]
     frame_num: int  # video frames, 4n+1
 

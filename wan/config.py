@@ -65,5 +65,4 @@ class SampleConfig:
     max_area: int = 480 * 832
     solver: str = "unipc"
     negative_prompt: str = NEGATIVE_PROMPT
-    num_train_timesteps: int = NUM_TRAIN_TIMESTEPS
     seed: int = 42

@@ -42,6 +42,7 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world.loaders import text_encode as tx  # noqa: E402
+from lingbot_world.loaders.formats import read_safetensors_header  # noqa: E402
 from lingbot_world.loaders.monitor import RssSampler, rss_anon  # noqa: E402
 from lingbot_world.loaders.text_encoder import hf_name, load_tokenizer, upstream_name  # noqa: E402
 from lingbot_world.wan.config import NEGATIVE_PROMPT, T5_DTYPE  # noqa: E402
@@ -88,17 +89,16 @@ def write_random_safetensors(path: Path, config: dict, seed: int = 0) -> None:
 
 def write_pth_from_safetensors(st_path: Path, pth_path: Path) -> None:
     """torch.save an upstream-named state dict whose tensors are views of an mmap of the safetensors."""
+    refs, _ = read_safetensors_header(st_path)
     raw = np.memmap(st_path, dtype=np.uint8, mode="r")
-    n = int.from_bytes(raw[:8].tobytes(), "little")
-    header = json.loads(raw[8 : 8 + n].tobytes())
-    header.pop("__metadata__", None)
     sd = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only buffer: never written
-        for key, info in header.items():
-            start, end = info["data_offsets"]
-            t = torch.frombuffer(raw, dtype=torch.bfloat16, count=(end - start) // 2, offset=8 + n + start)
-            sd[upstream_name(key)] = t.view(info["shape"])
+        for key, ref in refs.items():
+            count = (ref.end - ref.start) // ref.dtype.itemsize
+            sd[upstream_name(key)] = torch.frombuffer(
+                raw, dtype=ref.dtype, count=count, offset=ref.start
+            ).view(ref.shape)
     tmp = pth_path.with_suffix(".partial")
     torch.save(sd, tmp)
     tmp.replace(pth_path)

@@ -39,6 +39,7 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world.loaders.vae import load_vae  # noqa: E402
+from lingbot_world.wan import i2v  # noqa: E402
 from lingbot_world.wan import vae as V  # noqa: E402
 
 GIB = 2**30
@@ -77,20 +78,15 @@ def gib(x):
     return None if x is None else round(x / GIB, 3)
 
 
-def first_frame(height, width, device):
-    """The shipped example image resized as upstream does (bicubic to the target size), in [-1, 1]."""
-    image = ROOT / "examples" / "00" / "image.jpg"
+def encode_input(frames, height, width, device):
+    """[3, F, H, W]: the shipped example image as i2v prepares it (bicubic to the size), then zero frames."""
     try:
-        import numpy as np
         from PIL import Image
 
-        img = torch.from_numpy(np.array(Image.open(image).convert("RGB"))).permute(2, 0, 1).float()
-        img = img.div(127.5).sub(1)[None]
-        return torch.nn.functional.interpolate(img, size=(height, width), mode="bicubic")[0].to(device)
-    except (OSError, ImportError):
-        return (
-            torch.rand(3, height, width, generator=torch.Generator().manual_seed(0)).mul(2).sub(1).to(device)
-        )
+        image = i2v.image_to_tensor(Image.open(ROOT / "examples" / "00" / "image.jpg"))
+    except ImportError:  # a bare GPU box without Pillow: random pixels in [-1, 1] stand in
+        image = torch.rand(3, height, width, generator=torch.Generator().manual_seed(0)).mul(2).sub(1)
+    return i2v.vae_input(image, frames, height, width).to(device)
 
 
 def get_vae(args, scale, device):
@@ -225,8 +221,7 @@ def main(argv=None) -> int:
         bench_decode(vae, size, scale, overlap, device, record, not args.no_baseline)
 
     height, width = scale["sizes"]["480p"]
-    video = torch.zeros(3, frames, height, width, device=device)
-    video[:, 0] = first_frame(height, width, device)
+    video = encode_input(frames, height, width, device)
     latent, dt, peak, res = measure(device, lambda: vae.encode(video))
     record("encode_480p", dt, peak, res, latent_shape=list(latent.shape))
 

@@ -5,7 +5,6 @@ from lingbot_world.wan.actions import (
     MOVE_STEP,
     act2cam_trajectory,
     actions_to_poses,
-    pad_frame_num,
     parse_action_string,
 )
 from lingbot_world.wan.camera import camera_conditioning, validate_poses
@@ -92,12 +91,6 @@ def test_parse_action_string():
 def test_parse_errors(s, message):
     with pytest.raises(ValueError, match=message):
         parse_action_string(s)
-
-
-def test_pad_frame_num():
-    assert [pad_frame_num(n) for n in (1, 2, 4, 5, 6, 45, 80, 81)] == [1, 5, 5, 5, 9, 45, 81, 81]
-    with pytest.raises(ValueError, match="frame_num"):
-        pad_frame_num(0)
 
 
 def test_act2cam_string_padding_and_conditioning():

@@ -10,6 +10,7 @@ from lingbot_world.wan.i2v import (
     latent_frames,
     latent_size,
     make_noise,
+    pad_frame_num,
     resolve_seed,
     seq_len,
     vae_input,
@@ -39,6 +40,12 @@ def test_explicit_size():
             explicit_size(*bad)
     with pytest.raises(ValueError, match="multiple of 16"):
         explicit_size(832, 472)
+
+
+def test_pad_frame_num():
+    assert [pad_frame_num(n) for n in (1, 2, 4, 5, 6, 45, 80, 81)] == [1, 5, 5, 5, 9, 45, 81, 81]
+    with pytest.raises(ValueError, match="frame_num"):
+        pad_frame_num(0)
 
 
 def test_latent_frames_and_upstream_behaviour():

@@ -23,6 +23,7 @@ import numpy as np
 
 from .camera import validate_actions
 from .config import SampleConfig
+from .i2v import latent_frames, pad_frame_num
 
 MOVE_STEP = 0.05
 ROTATE_STEP_DEG = 2.0
@@ -70,13 +71,6 @@ def parse_action_string(action_string: str) -> tuple[np.ndarray, np.ndarray]:
         rows.append(np.repeat(row, int(count), axis=0))
     keys = np.concatenate(rows)
     return keys[:, :4], keys[:, 4:]
-
-
-def pad_frame_num(frame_num: int) -> int:
-    """Smallest 4n+1 >= frame_num (the VAE packs 4 frames per latent after the first)."""
-    if frame_num < 1:
-        raise ValueError(f"frame_num: expected a positive integer, got {frame_num}")
-    return frame_num + (-(frame_num - 1)) % 4
 
 
 def _rot_x(a: float) -> np.ndarray:
@@ -133,7 +127,7 @@ def actions_to_poses(wasd, ijkl=None) -> np.ndarray:
 
 class Act2Cam(NamedTuple):
     poses: np.ndarray  # [frame_num + 1, 4, 4] float64 c2w; pass to camera_conditioning(act2cam=True)
-    wasd: np.ndarray  # [frame_num, 4] keys actually used (e.g. for an on-screen key overlay)
+    wasd: np.ndarray  # [frame_num, 4] keys per video frame, no-key padding included
     ijkl: np.ndarray  # [frame_num, 4]
     frame_num: int  # video frames, 4n+1
 
@@ -164,8 +158,7 @@ def act2cam_trajectory(
         if wasd is None:
             raise ValueError("wasd: give an action_string or a [N, 4] wasd array (wasd_action.npy)")
         frame_num = SampleConfig.frame_num if frame_num is None else frame_num
-        if frame_num < 1 or (frame_num - 1) % 4:
-            raise ValueError(f"frame_num: expected a positive integer of the form 4n+1, got {frame_num}")
+        latent_frames(frame_num)  # raises unless 4n+1
         wasd = validate_actions(wasd, "wasd", min_rows=frame_num)[:frame_num]
         if ijkl is not None:
             ijkl = validate_actions(ijkl, "ijkl", min_rows=frame_num)[:frame_num]

@@ -16,6 +16,7 @@ from scipy.interpolate import interp1d
 from scipy.spatial.transform import Rotation, Slerp
 
 from .config import CONTROL_CHANNELS, INTRINSICS_SIZE, PATCH_SIZE, VAE_STRIDE
+from .i2v import latent_frames
 
 MIN_POSE_FRAMES = 5  # one latent step needs frames 0..4
 RIGID_TOL = 1e-3  # max |R^T R - I| and |det R - 1| accepted for a pose's rotation block
@@ -91,8 +92,7 @@ def validate_actions(actions, name: str = "actions", min_rows: int = 0) -> np.nd
 
 
 def _validate_sizes(frame_num, height, width, lat_h, lat_w):
-    if not isinstance(frame_num, (int, np.integer)) or frame_num < 1 or (frame_num - 1) % VAE_STRIDE[0]:
-        raise ValueError(f"frame_num: expected a positive integer of the form 4n+1, got {frame_num!r}")
+    latent_frames(frame_num)  # raises unless 4n+1
     sh, sw = VAE_STRIDE[1], VAE_STRIDE[2]
     ph, pw = PATCH_SIZE[1], PATCH_SIZE[2]
     if lat_h < 1 or lat_w < 1 or lat_h % ph or lat_w % pw or height != sh * lat_h or width != sw * lat_w:
@@ -252,7 +252,7 @@ def camera_conditioning(
     else:
         F = used_frame_count(len(poses), frame_num)
         poses = poses[:F]
-    lat_f = (F - 1) // VAE_STRIDE[0] + 1
+    lat_f = latent_frames(F)
     if control_type == "act":
         if actions is None:
             raise ValueError("actions: control_type 'act' needs the [N, 4] W, A, S, D array (action.npy)")

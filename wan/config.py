@@ -7,7 +7,6 @@ import torch
 NUM_TRAIN_TIMESTEPS = 1000
 VAE_STRIDE = (4, 8, 8)
 PATCH_SIZE = (1, 2, 2)
-PARAM_DTYPE = torch.bfloat16
 T5_DTYPE = torch.bfloat16
 TEXT_LEN = 512
 # Intrinsics in poses/intrinsics.npy are given at this pixel size (upstream hard-codes it).
@@ -66,5 +65,4 @@ class SampleConfig:
     max_area: int = 480 * 832
     solver: str = "unipc"
     negative_prompt: str = NEGATIVE_PROMPT
-    num_train_timesteps: int = NUM_TRAIN_TIMESTEPS
     seed: int = 42

@@ -396,7 +396,7 @@ class WanModel(nn.Module):
 
 @torch.no_grad()
 def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Fill every parameter with seeded random values (tests and benchmarks; real use loads weights).
+    """Fill every parameter with seeded random values (tests, benchmarks, the demo; real use loads weights).
 
     Weights get std 1/sqrt(fan_in) so activations keep their scale through the blocks; upstream's own
     init zeroes the head and the camera biases, which would make outputs trivially zero.

@@ -52,6 +52,13 @@ def explicit_size(
     return height // vae_stride[1], width // vae_stride[2], int(height), int(width)
 
 
+def pad_frame_num(frame_num: int) -> int:
+    """Smallest 4n+1 >= frame_num (the VAE packs 4 frames per latent after the first)."""
+    if frame_num < 1:
+        raise ValueError(f"frame_num: expected a positive integer, got {frame_num}")
+    return frame_num + (-(frame_num - 1)) % VAE_STRIDE[0]
+
+
 def frame_num_issue(frame_num: int) -> str | None:
     """None if frame_num is 4n+1; else what upstream does with it and the nearest valid counts.
 
@@ -59,19 +66,20 @@ def frame_num_issue(frame_num: int) -> str | None:
     groups of 4, so any other count stops it with a reshape error before sampling.
     """
     s = VAE_STRIDE[0]
+    expected = "frame_num: expected a positive integer of the form 4n+1"
     if isinstance(frame_num, bool) or not isinstance(frame_num, (int, np.integer)) or frame_num < 1:
-        return f"frame_num must be a positive integer of the form 4n+1, got {frame_num!r}"
+        return f"{expected}, got {frame_num!r}"
     if (frame_num - 1) % s == 0:
         return None
-    lower = (frame_num - 1) // s * s + 1
+    upper = pad_frame_num(frame_num)
     return (
-        f"frame_num must be 4n+1 (e.g. {lower} or {lower + s}), got {frame_num}; upstream LingBot-World "
-        f"fails on it (its first-frame mask of {frame_num + s - 1} frames cannot be split into groups of {s})"
+        f"{expected} (e.g. {upper - s} or {upper}), got {frame_num}; upstream LingBot-World fails on it "
+        f"(its first-frame mask of {frame_num + s - 1} frames cannot be split into groups of {s})"
     )
 
 
 def latent_frames(frame_num: int) -> int:
-    """Latent frame count (F-1)//4 + 1 for a 4n+1 pixel frame count."""
+    """Latent frame count (F-1)//4 + 1 for a 4n+1 pixel frame count; raises ValueError for any other."""
     issue = frame_num_issue(frame_num)
     if issue:
         raise ValueError(issue)

@@ -17,7 +17,7 @@ import torch
 
 from . import i2v
 from .config import SampleConfig
-from .schedulers import expert_for_timestep, guide_scale_for, make_scheduler
+from .schedulers import cfg, expert_for_timestep, guide_scale_for, make_scheduler
 
 
 class Interrupted(Exception):
@@ -70,7 +70,7 @@ def denoise(
             with torch.no_grad():
                 cond = model(latent, timestep, context, seq_len, y=y, cam=cam)
                 uncond = model(latent, timestep, context_null, seq_len, y=y, cam=cam)
-                pred = uncond + g * (cond - uncond)
+                pred = cfg(cond, uncond, g)
                 del cond, uncond
                 latent = scheduler.step(pred, t, latent)
             if hooks.progress is not None:

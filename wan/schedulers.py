@@ -186,10 +186,3 @@ def guide_scale_for(t, boundary: float, guide_scale=(5.0, 5.0)) -> float:
 def cfg(cond: torch.Tensor, uncond: torch.Tensor, g: float) -> torch.Tensor:
     """Classifier-free guidance, upstream's order of operations."""
     return uncond + g * (cond - uncond)
-
-
-def expert_split(steps: int, shift: float, boundary: float) -> tuple[int, int]:
-    """(number of high-noise steps, number of low-noise steps) for this schedule."""
-    timesteps, _ = sampling_sigmas(steps, shift)
-    n_high = sum(expert_for_timestep(int(t), boundary) == "high" for t in timesteps)
-    return n_high, steps - n_high

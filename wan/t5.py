@@ -200,7 +200,7 @@ def encode_trimmed(model: T5Encoder, ids: torch.Tensor, mask: torch.Tensor) -> l
 
 
 def init_random_(model: T5Encoder, seed: int = 0) -> T5Encoder:
-    """Fill weights in place with upstream's init distributions (for tests and benchmarks)."""
+    """Fill weights in place with upstream's init distributions (bench_t5's upstream-style baseline)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -322,21 +322,25 @@ class WanVAE(nn.Module):
     def device(self) -> torch.device:
         return self.conv1.weight.device
 
-    def _stats(self, device):
+    def latent_stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel (mean, std), float32 [z, 1, 1, 1] on `device`: normalised latent = (mu - mean) / std."""
         mean = torch.tensor(self.latent_mean, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-        inv_std = 1.0 / torch.tensor(self.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-        return mean, inv_std
+        std = torch.tensor(self.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
+        return mean, std
+
+    def _stats(self, device):
+        """(mean, 1 / std): upstream scales by the reciprocal, which rounds differently from dividing."""
+        mean, std = self.latent_stats(device)
+        return mean, 1.0 / std
 
     def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """Normalised [16, T, h, w] -> ComfyUI's un-normalised Wan2.1 LATENT samples [1, 16, T, h, w]."""
-        mean, std = (torch.tensor(v, dtype=torch.float32, device=latent.device).view(-1, 1, 1, 1)
-                     for v in (self.latent_mean, self.latent_std))  # fmt: skip
+        mean, std = self.latent_stats(latent.device)
         return (latent.float() * std + mean)[None]
 
     def from_comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
         """ComfyUI's un-normalised [16, T, h, w] -> normalised, as `decode` takes it."""
-        mean, std = (torch.tensor(v, dtype=torch.float32, device=samples.device).view(-1, 1, 1, 1)
-                     for v in (self.latent_mean, self.latent_std))  # fmt: skip
+        mean, std = self.latent_stats(samples.device)
         return (samples.float() - mean) / std
 
     @torch.no_grad()
@@ -579,7 +583,7 @@ def check_latent(latent, z_dim: int) -> None:
 
 
 def init_random_(vae: nn.Module, seed: int = 0) -> nn.Module:
-    """Seeded random weights for tests and benchmarks (real use loads a checkpoint): conv weights
+    """Seeded random weights for tests, benchmarks and the demo (real use loads a checkpoint): conv weights
     with std 1/sqrt(fan_in), biases 0.1*N(0,1), RMS gains 1 + 0.1*N(0,1). Works on a meta-built
     module after `to_empty`."""
     g = torch.Generator().manual_seed(seed)

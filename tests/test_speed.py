@@ -38,23 +38,11 @@ class Inputs:
         self.cam = torch.randn(1, 384, f, h, w, generator=g)
         self.calls = []  # the expert of every forward
         self.per_step = []  # forwards run in each step
+        for which, model in self.models.items():
+            model.register_forward_pre_hook(lambda module, args, which=which: self.calls.append(which))
 
     def experts(self, which):
-        model = self.models[which]
-        calls = self.calls
-
-        class Counting(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.inner = model
-                self.block_runner = None
-
-            def forward(self, *args, **kwargs):
-                calls.append(which)
-                self.inner.block_runner = self.block_runner
-                return self.inner(*args, **kwargs)
-
-        return Counting()
+        return self.models[which]
 
     def denoise(self, settings=None, **kwargs):
         self.calls.clear()
@@ -251,6 +239,22 @@ def test_compiled_blocks_trace_once_for_all_blocks_steps_and_experts():
             model.block_runner = None
     # 2 experts x 4 blocks x 7 calls: two graphs, bf16 residual stream into block 0 and fp32 after
     assert len(graphs) == 2
+
+
+def test_compiled_sampling_loop_traces_once_and_leaves_experts_plain(inputs, monkeypatch):
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
+    monkeypatch.setattr(speed, "_compiled_blocks", speed.CompiledBlocks(backend=counting_backend))
+    stats = SpeedStats()
+    out = inputs.denoise(speed=SpeedOptions(compile=True), stats=stats)
+    assert stats.compiled and len(graphs) == 2  # 16 steps x 2 branches x 2 experts x 2 blocks
+    assert all(m.block_runner is None for m in inputs.models.values())
+    assert torch.equal(out, inputs.denoise())  # this backend runs the traced graph as is
 
 
 def test_compile_without_compiler_falls_back_with_one_log_line(inputs, monkeypatch, caplog):

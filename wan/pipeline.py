@@ -81,6 +81,8 @@ def denoise(
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
                 prepare_model(model, runner)
+                if runner is not None:  # the expert leaves this loop uncompiled (parked, reused, freed)
+                    stack.callback(prepare_model, model, None)
                 if cache is not None:  # never carried across the switch
                     cache.start(schedule.count(which), speed.threshold_for(which))
             g = guide_scale_for(t, settings.boundary, settings.guide_scale)

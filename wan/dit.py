@@ -288,7 +288,7 @@ class WanModel(nn.Module):
         self.head = Head(dim, out_dim, patch_size, eps)
         self._freqs = None  # complex128 RoPE table, made on first use on the compute device
         # None: call each block directly. Otherwise run_block(block, *block_args), e.g. one compiled
-        # function shared by all blocks (see wan.speed.compile_blocks).
+        # function shared by all blocks (see wan.speed.block_runner).
         self.block_runner = None
 
     @classmethod

@@ -2,6 +2,7 @@
 
 import gc
 import shutil
+import sys
 import weakref
 
 import numpy as np
@@ -15,6 +16,7 @@ from lingbot_world.loaders.vae import load_vae
 from lingbot_world.loaders.video import read_mp4_info
 from lingbot_world.wan import i2v, pipeline, schedulers
 from lingbot_world.wan.config import SampleConfig
+from lingbot_world.wan.speed import SpeedOptions, SpeedStats
 
 
 @pytest.fixture(autouse=True)
@@ -93,12 +95,12 @@ class Parts:
         self.vae = load_vae(self.files.vae)
         self.size = i2v.latent_size(self.image.shape[1], self.image.shape[2], 64 * 112)
 
-    def sample(self, switcher, seed=42, hooks=None, steps=6):
+    def sample(self, switcher, seed=42, hooks=None, steps=6, **speed):
         settings = SampleConfig(sample_steps=steps, seed=seed)
         return pipeline.sample(
             image=self.image, context=self.context, context_null=self.context_null, vae=self.vae,
             experts=switcher, release_experts=switcher.release, size=self.size, frame_num=9,
-            settings=settings, hooks=hooks,
+            settings=settings, hooks=hooks, **speed,
         )  # fmt: skip
 
 
@@ -118,6 +120,25 @@ def test_same_seed_same_latent_other_seed_differs(parts):
     assert a.shape == (16, 3, 6, 14)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)
+
+
+def test_speed_options_through_sample(parts, monkeypatch):
+    switcher = ExpertSwitcher(parts.files.experts, "cpu")
+    plain = parts.sample(switcher)
+    assert torch.equal(parts.sample(switcher, speed=SpeedOptions()), plain)
+    stats = SpeedStats()
+    options = SpeedOptions(cache="easycache", cache_threshold=1e6, cache_keep_first=0, cache_keep_last=0)
+    cached = parts.sample(switcher, speed=options, stats=stats)
+    # 3 steps per expert: two computed to get a transformation rate, the third reuses both branches
+    assert stats.skipped == {"high": 2, "low": 2} and stats.forwards == {"high": 4, "low": 4}
+    assert cached.shape == plain.shape and not torch.equal(cached, plain)
+
+    encoded = []
+    monkeypatch.setattr(parts.vae, "encode", lambda video: encoded.append(video))
+    monkeypatch.setitem(sys.modules, "sageattention", None)
+    with pytest.raises(RuntimeError, match="sageattention"):
+        parts.sample(switcher, speed=SpeedOptions(attention="sage"))
+    assert encoded == []  # failed before any work
 
 
 def test_one_expert_resident_and_all_released_after(parts):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from . import attention as attention_backends
 from .config import CONTROL_CHANNELS, DiTConfig
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
@@ -144,9 +145,9 @@ class WanLayerNorm(nn.LayerNorm):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype) -> torch.Tensor:
-    """[L, heads, d] inputs, cast to `dtype` as upstream's flash_attention does; SDPA kernels."""
-    q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+    """[L, heads, d] inputs cast to `dtype`, through the active backend of `wan.attention` (SDPA by
+    default, which is what upstream's flash_attention computes)."""
+    return attention_backends.attention(q, k, v, dtype)
 
 
 class WanSelfAttention(nn.Module):
@@ -310,6 +311,9 @@ class WanModel(nn.Module):
         )
         self.head = Head(dim, out_dim, patch_size, eps)
         self._freqs = None  # complex128 RoPE table, made on first use on the compute device
+        # None: call each block directly. Otherwise run_block(block, *block_args), e.g. one compiled
+        # function shared by all blocks (see wan.speed.block_runner).
+        self.block_runner = None
 
     @classmethod
     def from_config(cls, config: DiTConfig) -> "WanModel":
@@ -380,8 +384,12 @@ class WanModel(nn.Module):
                 "lat_f/lat_h/lat_w must match the latent"
             )
         freqs = self._rope(x.device)
+        run = self.block_runner
         for block in self.blocks:
-            x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
+            if run is None:
+                x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
+            else:
+                x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
         x = self.head(x, e)
         # Upstream unpatchifies inside its bf16 autocast region, where einsum casts the fp32 head
         # output to bf16: the prediction is bf16-rounded before the final .float().

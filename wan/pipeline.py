@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import i2v
+from . import attention, i2v
 from .config import SampleConfig
 from .schedulers import cfg, expert_for_timestep, guide_scale_for, make_scheduler
+from .speed import SpeedOptions, SpeedStats, block_runner
+from .speed import prepare as prepare_model
+from .step_cache import EasyCache
 
 
 class Interrupted(Exception):
@@ -47,34 +50,66 @@ def denoise(
     cam: torch.Tensor | None,
     settings: SampleConfig,
     hooks: Hooks | None = None,
+    speed: SpeedOptions | None = None,
+    stats: SpeedStats | None = None,
 ) -> torch.Tensor:
-    """The dual-expert CFG sampling loop. Returns the final latent [16, lat_f, lat_h, lat_w] (fp32)."""
+    """The dual-expert CFG sampling loop. Returns the final latent [16, lat_f, lat_h, lat_w] (fp32).
+
+    `speed` (default: everything off, today's exact results) picks the attention backend, compiled
+    blocks and the step cache; `stats`, when given, is filled with the forwards run and skipped.
+    A step whose guide scale is 1 runs the cond forward only: its prediction is exactly cond.
+    """
     hooks = hooks or Hooks()
+    speed = speed or SpeedOptions()
+    stats = stats if stats is not None else SpeedStats()
     device = noise.device
     scheduler = make_scheduler(settings.solver, settings.sample_steps, settings.sample_shift, device)
     timesteps = scheduler.timesteps
     seq_len = i2v.seq_len(*noise.shape[1:])
+    schedule = [expert_for_timestep(t, settings.boundary) for t in timesteps]
+    cache = EasyCache(speed.cache_keep_first, speed.cache_keep_last) if speed.cache == "easycache" else None
     latent = noise
-    with contextlib.ExitStack() as stack:
+    with attention.use(speed.attention), contextlib.ExitStack() as stack:
+        runner = block_runner(speed, device)
         model = current = None
         for i, t in enumerate(timesteps):
             hooks.check()
-            which = expert_for_timestep(t, settings.boundary)
+            which = schedule[i]
             if which != current:  # a new phase per expert: its load and its steps
                 model = None  # drop our reference, or the old expert stays alive while the new one loads
                 stack.close()
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
+                prepare_model(model, runner)
+                if runner is not None:  # the expert leaves this loop uncompiled (parked, reused, freed)
+                    stack.callback(prepare_model, model, None)
+                if cache is not None:  # never carried across the switch
+                    cache.start(schedule.count(which), speed.threshold_for(which))
             g = guide_scale_for(t, settings.boundary, settings.guide_scale)
             timestep = t.reshape(1).to(device)
+            branches = (("cond", context),) if g == 1 else (("cond", context), ("uncond", context_null))
             with torch.no_grad():
-                cond = model(latent, timestep, context, seq_len, y=y, cam=cam)
-                uncond = model(latent, timestep, context_null, seq_len, y=y, cam=cam)
-                pred = cfg(cond, uncond, g)
-                del cond, uncond
+                skip = cache is not None and cache.should_skip(latent)
+                out = {}
+                for branch, ctx in branches:
+                    if skip:
+                        out[branch] = cache.reuse(branch, latent)
+                    else:
+                        out[branch] = model(latent, timestep, ctx, seq_len, y=y, cam=cam)
+                        if cache is not None:
+                            cache.store(branch, latent, out[branch])
+                stats.forwards[which] += 0 if skip else len(branches)
+                stats.skipped[which] += len(branches) if skip else 0
+                stats.skipped_steps[which] += int(skip)
+                if g == 1:
+                    pred = out["cond"]
+                else:
+                    pred = cfg(out["cond"], out["uncond"], g)
+                del out
                 latent = scheduler.step(pred, t, latent)
             if hooks.progress is not None:
                 hooks.progress(i + 1, len(timesteps), latent)
+        stats.compiled = runner is not None and not runner.failed
     return latent
 
 
@@ -96,6 +131,8 @@ def sample(
     cam: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
     hooks: Hooks | None = None,
+    speed: SpeedOptions | None = None,
+    stats: SpeedStats | None = None,
 ) -> torch.Tensor:
     """Image [3, H, W] in [-1, 1] + text embeddings (+ packed camera tensor) -> final latent.
 
@@ -106,6 +143,8 @@ def sample(
     """
     hooks = hooks or Hooks()
     device = torch.device(device)
+    if speed is not None:
+        attention.resolve(speed.attention)  # a missing backend fails before any work
     lat_h, lat_w, h, w = size
     lat_f = i2v.latent_frames(frame_num)
     try:
@@ -118,7 +157,7 @@ def sample(
         del latent_image
         context, context_null = context.to(device), context_null.to(device)
         cam = None if cam is None else cam.to(device)
-        return denoise(experts, noise, y, context, context_null, cam, settings, hooks)
+        return denoise(experts, noise, y, context, context_null, cam, settings, hooks, speed, stats)
     finally:
         release_experts()
 

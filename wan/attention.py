@@ -1,0 +1,118 @@
+"""Attention backends for the DiT: one registry, one active backend at a time.
+
+Every backend takes q, k, v as [L, heads, head_dim] (k and v may have another length than q) plus the
+compute dtype, and returns [L_q, heads, head_dim] in that dtype.
+
+- ``sdpa`` (default): PyTorch's scaled_dot_product_attention, the code path the model always had.
+- ``sage``: SageAttention's quantized kernel (needs the ``sageattention`` package and a CUDA device).
+- anything a host registers: `register(name, fn)` for a backend with our signature, or
+  `register_comfy(name, fn)` for a function with ComfyUI's ``optimized_attention`` signature
+  ``fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False)``
+  taking [batch, tokens, heads * head_dim] tensors. This package never imports ComfyUI; its node
+  layer registers ComfyUI's function here.
+
+`use(name)` makes a backend the active one for a block of code (the sampling loop); `attention()`
+calls the active backend.
+"""
+
+import contextlib
+import importlib
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inputs cast to `dtype` as upstream's flash_attention does; SDPA kernels."""
+    q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+
+
+def _sageattn():
+    try:
+        return importlib.import_module("sageattention").sageattn
+    except (ImportError, AttributeError) as err:
+        raise RuntimeError(
+            "attention='sage' needs the `sageattention` package (pip install sageattention, CUDA only), "
+            f"which is not importable here: {err}"
+        ) from err
+
+
+def sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SageAttention in its [batch, tokens, heads, head_dim] ("NHD") layout."""
+    q, k, v = (t.to(dtype).unsqueeze(0) for t in (q, k, v))
+    return _sageattn()(q, k, v, tensor_layout="NHD", is_causal=False)[0].to(dtype)
+
+
+def comfy_style(fn: Callable) -> Backend:
+    """Adapt a ComfyUI-style attention function (see module docstring) to our backend signature.
+
+    It is called in ComfyUI's default layout, [1, L, heads * head_dim] in and out, as ComfyUI's own
+    Wan model calls it; the function is looked up on every call, so passing a lambda that reads
+    ComfyUI's module attribute follows ComfyUI's own backend choice.
+    """
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        heads, head_dim = q.shape[1], q.shape[2]
+        q, k, v = (t.to(dtype).reshape(1, t.shape[0], heads * head_dim) for t in (q, k, v))
+        out = fn(q, k, v, heads)
+        return out.reshape(q.shape[1], heads, head_dim).to(dtype)
+
+    return run
+
+
+_BACKENDS: dict[str, Backend] = {"sdpa": sdpa, "sage": sage}
+_active: Backend = sdpa
+
+
+def register(name: str, fn: Backend) -> None:
+    """Make `fn(q, k, v, dtype)` available as backend `name` (replacing one of that name)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"attention backend name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"attention backend {name!r}: expected a callable, got {type(fn).__name__}")
+    _BACKENDS[name] = fn
+
+
+def register_comfy(name: str, fn: Callable) -> None:
+    """Register a function with ComfyUI's optimized_attention signature as backend `name`."""
+    if not callable(fn):
+        raise TypeError(f"attention backend {name!r}: expected a callable, got {type(fn).__name__}")
+    register(name, comfy_style(fn))
+
+
+def names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve(name: str) -> Backend:
+    """The backend called `name`; a clear error when it is unknown or its package is missing."""
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend must be one of {names()}, got {name!r}")
+    if name == "sage" and _BACKENDS[name] is sage:
+        _sageattn()  # fail now, naming the package, rather than inside the first block
+    return _BACKENDS[name]
+
+
+def active() -> Backend:
+    return _active
+
+
+@contextlib.contextmanager
+def use(name: str):
+    """Run the enclosed code with backend `name` active; the previous one is restored on exit."""
+    global _active
+    backend = resolve(name)
+    previous, _active = _active, backend
+    try:
+        yield backend
+    finally:
+        _active = previous
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[L, heads, d] inputs through the active backend (SDPA unless `use` says otherwise)."""
+    return _active(q, k, v, dtype)

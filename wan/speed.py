@@ -1,0 +1,165 @@
+"""Speed settings of the sampling loop, in one place, and what they do to an expert.
+
+`SpeedOptions()` (every option off) is today's code path, bit for bit. The options:
+- ``attention``: a backend of `wan.attention` ('sdpa' default, 'sage', or one a host registered);
+- ``compile``: regional `torch.compile` of the DiT blocks: one compiled function runs every block,
+  so all 40 blocks (and both experts) share its graphs; no recompiles per block or per step. Falls
+  back to eager with one log line when the compiler toolchain is missing or fails;
+- ``cache``: None or 'easycache' (`wan.step_cache`), with ``cache_threshold`` (a number or a
+  (low-noise, high-noise) pair, like guide_scale) and ``cache_keep_first``/``cache_keep_last``
+  (steps always computed at each end of each expert's stretch).
+Guide scale 1 always runs one forward per step (the cond prediction, exactly); no option needed.
+"""
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("LingBot-World")
+
+CACHES = (None, "easycache")
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    attention: str = "sdpa"
+    compile: bool = False
+    cache: str | None = None
+    # EasyCache's reference setting for Wan i2v: threshold 0.05, the first 7 steps and the last
+    # step computed; here applied to each expert's stretch.
+    cache_threshold: float | tuple = 0.05
+    cache_keep_first: int = 7
+    cache_keep_last: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.attention, str):
+            raise ValueError(f"attention must be a backend name, got {self.attention!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        if self.cache not in CACHES:
+            raise ValueError(f"cache must be one of {list(CACHES)}, got {self.cache!r}")
+        pair = self.cache_threshold if isinstance(self.cache_threshold, (tuple, list)) else None
+        values = pair if pair is not None else (self.cache_threshold,)
+        if (pair is not None and len(pair) != 2) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values
+        ):
+            raise ValueError(
+                f"cache_threshold must be a number >= 0 or a (low, high) pair of them, got {self.cache_threshold!r}"
+            )
+        for name in ("cache_keep_first", "cache_keep_last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+    def threshold_for(self, which: str) -> float:
+        """The cache threshold of expert 'high' or 'low'."""
+        if isinstance(self.cache_threshold, (tuple, list)):
+            return float(self.cache_threshold[1] if which == "high" else self.cache_threshold[0])
+        return float(self.cache_threshold)
+
+
+@dataclass
+class SpeedStats:
+    """What one sampling run did: transformer forwards run and skipped (by the step cache), per
+    expert and in total, and whether the blocks ran compiled."""
+
+    forwards: dict = field(default_factory=lambda: {"high": 0, "low": 0})
+    skipped: dict = field(default_factory=lambda: {"high": 0, "low": 0})
+    skipped_steps: dict = field(default_factory=lambda: {"high": 0, "low": 0})
+    compiled: bool = False
+
+    @property
+    def total_forwards(self) -> int:
+        return sum(self.forwards.values())
+
+    @property
+    def total_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "forwards": dict(self.forwards),
+            "skipped_forwards": dict(self.skipped),
+            "skipped_steps": dict(self.skipped_steps),
+            "total_forwards": self.total_forwards,
+            "total_skipped_forwards": self.total_skipped,
+            "compiled": self.compiled,
+        }
+
+
+def run_block(block, *args):
+    """The one function that gets compiled: a DiT block's forward."""
+    return block(*args)
+
+
+def compiler_missing(device: torch.device) -> str | None:
+    """Why torch.compile's default backend cannot build kernels for `device`, or None if it can."""
+    if not hasattr(torch, "compile"):
+        return "this PyTorch has no torch.compile"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "Triton is not installed (torch.compile needs it for CUDA kernels)"
+    elif device.type == "cpu":
+        names = [os.environ.get("CXX"), "c++", "g++", "clang++", "cl"]
+        if not any(n and shutil.which(n) for n in names):
+            return "no C++ compiler found (torch.compile needs one for CPU kernels)"
+    return None
+
+
+class CompiledBlocks:
+    """`run(block, *args)` through one torch.compile'd function (dynamic=False: every block has the
+    same shapes, so the graphs traced for block 0 serve all blocks). Graphs are keyed by what varies
+    between calls: the residual stream's dtype (bf16 into block 0, fp32 after) and whether a camera
+    tensor is given, so a run traces at most a handful, all in its first forward. If the backend
+    compiler fails, logs one line and runs the blocks eagerly from then on."""
+
+    def __init__(self, backend="inductor"):
+        self.compiled = torch.compile(run_block, backend=backend, dynamic=False)
+        self.failed = False
+
+    def __call__(self, block, *args):
+        if not self.failed:
+            try:
+                return self.compiled(block, *args)
+            except torch._dynamo.exc.BackendCompilerFailed as err:
+                self.failed = True
+                cause = getattr(err, "inner_exception", None) or err
+                text = (str(cause).strip().splitlines() or [""])[0]
+                log.warning(
+                    "torch.compile failed (%s: %s); running the DiT blocks eagerly",
+                    type(cause).__name__,
+                    text[:300],
+                )
+        return block(*args)
+
+
+_compiled_blocks: CompiledBlocks | None = None
+
+
+def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
+    """The shared compiled block runner when `options.compile` asks for it and the compiler is there;
+    otherwise None (eager), with one log line when compile was asked for but is unavailable."""
+    global _compiled_blocks
+    if not options.compile:
+        return None
+    reason = compiler_missing(torch.device(device))
+    if reason is not None:
+        log.warning("compile requested but unavailable: %s; running the DiT blocks eagerly", reason)
+        return None
+    if _compiled_blocks is None or _compiled_blocks.failed:
+        _compiled_blocks = CompiledBlocks()
+    return _compiled_blocks
+
+
+def prepare(model: torch.nn.Module, runner: CompiledBlocks | None) -> None:
+    """Make an expert run its blocks through `runner` (None: plain calls). Idempotent."""
+    if not hasattr(model, "block_runner"):
+        if runner is not None:
+            raise ValueError(f"compile=True needs a wan.dit.WanModel expert, got {type(model).__name__}")
+        return
+    model.block_runner = runner

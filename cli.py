@@ -28,6 +28,7 @@ from .loaders.text_encoder import read_encoder_config
 from .loaders.vae import check_vae, load_vae
 from .wan import i2v, pipeline
 from .wan.config import SampleConfig
+from .wan.speed import SpeedOptions, SpeedStats
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = SampleConfig()
@@ -92,6 +93,27 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="auto", help="'auto', 'none' or H,W tile size in latent pixels")
+    speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
+    speed.add_argument(
+        "--attention", default="sdpa", choices=["sdpa", "sage"],
+        help="attention kernel: PyTorch SDPA, or SageAttention (needs the sageattention package)",
+    )  # fmt: skip
+    speed.add_argument(
+        "--compile", action="store_true", help="torch.compile the DiT blocks (one graph for all)"
+    )
+    speed.add_argument(
+        "--cache", choices=["none", "easycache"], default="none",
+        help="training-free step cache (EasyCache): reuses the transformer's output on steps where it "
+        "changes little; trades quality for speed",
+    )  # fmt: skip
+    speed.add_argument(
+        "--cache_threshold", type=float, nargs="+", default=[SpeedOptions.cache_threshold],
+        help="EasyCache threshold, one value or two (low-noise high-noise); 0 = never skip",
+    )  # fmt: skip
+    speed.add_argument("--cache_keep_first", type=int, default=SpeedOptions.cache_keep_first,
+                       help="steps always computed at the start of each expert's stretch")  # fmt: skip
+    speed.add_argument("--cache_keep_last", type=int, default=SpeedOptions.cache_keep_last,
+                       help="steps always computed at the end of each expert's stretch")  # fmt: skip
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
     p.add_argument(
         "--save_latent", type=Path,
@@ -110,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def speed_options(args) -> SpeedOptions:
+    thresholds = args.cache_threshold
+    return SpeedOptions(
+        attention=args.attention, compile=args.compile, cache=None if args.cache == "none" else args.cache,
+        cache_threshold=thresholds[0] if len(thresholds) == 1 else (thresholds[0], thresholds[-1]),
+        cache_keep_first=args.cache_keep_first, cache_keep_last=args.cache_keep_last,
+    )  # fmt: skip
+
+
 def guide_pair(values: list[float]) -> tuple[float, float]:
     """--guide_scale: one value for both experts, or (low-noise, high-noise)."""
     return (values[0], values[-1])
@@ -121,6 +152,7 @@ FLAGS = {
     "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
+    "attention": "--attention",
 }  # fmt: skip
 
 
@@ -214,7 +246,7 @@ def run_generate(args) -> int:
     plan = plan_request(
         image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
         max_area=args.size, text_dim=text_dim, loras=args.lora,
-        allow_unmatched_lora_keys=args.lora_allow_unmatched,
+        allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
     )  # fmt: skip
     settings, (h, w) = plan.settings, plan.size[2:]
     log = monitor.PhaseLog()
@@ -232,11 +264,12 @@ def run_generate(args) -> int:
     with log.phase("load_vae"):
         vae = load_vae(files.vae, device)
     switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None, loras=plan.loras)
+    stats = SpeedStats()
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:
         latent = pipeline.sample(
-            vae=vae, experts=switcher, release_experts=switcher.close, hooks=hooks, **inputs
+            vae=vae, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
         )  # fmt: skip
     finally:
         bar.close()
@@ -252,6 +285,7 @@ def run_generate(args) -> int:
             pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite
         )
     print(log.table())
+    print(stats.summary())
     if args.report:
         args.report.write_text(json.dumps([r.as_dict() for r in log.records], indent=1))
     print(
@@ -286,10 +320,12 @@ def _on_sigterm(signum, frame):
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument shapes argparse cannot express; reported the argparse way (usage, `error:`, exit 2)."""
-    if getattr(args, "guide_scale", None) is not None and len(args.guide_scale) > 2:
-        parser.error(
-            f"argument --guide_scale: takes one or two values (low-noise high-noise), got {len(args.guide_scale)}"
-        )
+    for flag in ("guide_scale", "cache_threshold"):
+        values = getattr(args, flag, None)
+        if values is not None and len(values) > 2:
+            parser.error(
+                f"argument --{flag}: takes one or two values (low-noise high-noise), got {len(values)}"
+            )
 
 
 def main(argv=None) -> int:

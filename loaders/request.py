@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ..wan import i2v
+from ..wan import attention, i2v
 from ..wan.config import DiTConfig, SampleConfig
 from ..wan.schedulers import SCHEDULERS
+from ..wan.speed import SpeedOptions
 from .camera_files import CameraInput
 from .formats import detect_expert_format, meta_model
 from .lora import LoraSpec, read_loras
@@ -53,6 +54,7 @@ class Plan:
     config: DiTConfig
     camera: CameraInput | None = None
     loras: dict = field(default_factory=dict)  # {'high'|'low': [wan.lora.Lora]}, read and checked
+    speed: SpeedOptions = SpeedOptions()  # every option off: today's exact results
 
     @property
     def tokens(self) -> int:
@@ -77,6 +79,7 @@ class Plan:
         return dict(
             image=image, context=context, context_null=context_null, size=self.size,
             frame_num=self.frame_num, settings=self.settings, cam=cam, device=torch.device(device),
+            speed=self.speed,
         )  # fmt: skip
 
 
@@ -178,12 +181,14 @@ def plan_request(
     text_dim: int | None = None,
     loras: tuple = (),
     allow_unmatched_lora_keys: bool = False,
+    speed: SpeedOptions | None = None,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
     the frame count (None: the camera's or the default), the sizing (`max_area`, or `width` and `height`)
     and, when known, the text encoder's output width. `loras` (LoraSpecs) are read and checked against
-    the experts' layers here, once, so a wrong file is refused before any expert streams in."""
+    the experts' layers here, once, so a wrong file is refused before any expert streams in. `speed`: the
+    sampling loop's speed options (attention backend checked for availability here)."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -200,10 +205,15 @@ def plan_request(
         )
     if text_dim is not None:
         check_text_dim(text_dim, config)
+    speed = speed or SpeedOptions()
+    try:
+        attention.resolve(speed.attention)
+    except (ValueError, ImportError, RuntimeError) as e:
+        raise RequestError("attention", str(e)) from None
     settings = replace(settings, frame_num=frames)
     return Plan(
         size=size, frame_num=frames, settings=settings, config=config, camera=camera,
-        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys),
+        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed,
     )  # fmt: skip
 
 

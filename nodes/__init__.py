@@ -3,6 +3,7 @@
 from .camera import LingBotCamera
 from .models import LingBotExpertsLoader, LingBotLoRA
 from .sampler import LingBotSampler
+from .speed import LingBotSpeed
 from .text import LingBotTextEncode
 from .vae import LingBotVAEDecode, LingBotVAELoader
 
@@ -13,6 +14,7 @@ _NODES = {
     "LingBotCamera": (LingBotCamera, "LingBot Camera Path"),
     "LingBotVAELoader": (LingBotVAELoader, "LingBot VAE Loader (Wan2.1)"),
     "LingBotSampler": (LingBotSampler, "LingBot-World Sampler"),
+    "LingBotSpeed": (LingBotSpeed, "LingBot Speed Options"),
     "LingBotVAEDecode": (LingBotVAEDecode, "LingBot VAE Decode"),
 }
 NODE_CLASS_MAPPINGS = {k: cls for k, (cls, _) in _NODES.items()}

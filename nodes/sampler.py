@@ -8,9 +8,11 @@ from ..loaders.request import RequestError, plan_request
 from ..wan import i2v, pipeline
 from ..wan.config import SampleConfig
 from ..wan.schedulers import SCHEDULERS
+from ..wan.speed import SpeedStats
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, EXPERTS
+from .speed import SPEED
 from .text import TEXT
 from .vae import VAE
 
@@ -18,7 +20,7 @@ DEFAULTS = SampleConfig()
 SIZING = ("max_area", "explicit")
 # RequestError parameters -> this node's widget names.
 WIDGETS = {"sample_steps": "steps", "sample_shift": "shift", "size": "width/height/frame_num",
-           "guide_scale": "guide_scale_low/high", "action_string": "camera"}  # fmt: skip
+           "guide_scale": "guide_scale_low/high", "action_string": "camera", "attention": "speed"}  # fmt: skip
 log = logging.getLogger("LingBot-World")
 
 
@@ -117,6 +119,7 @@ class LingBotSampler:
             },
             "optional": {
                 "camera": (CAMERA, {"tooltip": "From LingBot Camera. Without it the experts run with no camera input."}),
+                "speed": (SPEED, {"tooltip": "From LingBot Speed. Without it: upstream's exact computation."}),
             },
         }  # fmt: skip
 
@@ -133,7 +136,7 @@ class LingBotSampler:
         return True
 
     def sample(self, experts, text, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
-               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None):  # fmt: skip
+               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None, speed=None):  # fmt: skip
         img = image_to_input(image)
         settings = SampleConfig(
             sample_shift=shift, sample_steps=steps, boundary=boundary,
@@ -148,7 +151,7 @@ class LingBotSampler:
         try:
             plan = plan_request(
                 img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, loras=experts.loras,
-                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, **sizing,
+                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, speed=speed, **sizing,
             )  # fmt: skip
             inputs = plan.inputs(img, text.context, text.context_null, device)
         except RequestError as e:
@@ -156,9 +159,10 @@ class LingBotSampler:
         size, frame_num = plan.size, plan.frame_num
         work = working_bytes(i2v.latent_frames(frame_num), *size[:2])
         hooks, phases = memory.sampling_hooks(steps)
+        stats = SpeedStats()
         try:
             latent = pipeline.sample(
-                vae=vae, experts=experts.provider(device, work, plan.loras), release_experts=experts.release, hooks=hooks,
+                vae=vae, experts=experts.provider(device, work, plan.loras), release_experts=experts.release, hooks=hooks, stats=stats,
                 **inputs,
             )  # fmt: skip
         except BaseException as e:
@@ -169,7 +173,8 @@ class LingBotSampler:
             del inputs
             memory.after_release()
         log.info(
-            "LingBot-World sampling, %d frames at %dx%d:\n%s", frame_num, size[3], size[2], phases.table()
-        )
+            "LingBot-World sampling, %d frames at %dx%d:\n%s\n%s",
+            frame_num, size[3], size[2], phases.table(), stats.summary(),
+        )  # fmt: skip
         samples = vae.model.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
         return ({"samples": samples},)

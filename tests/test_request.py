@@ -2,6 +2,7 @@
 the CLI and the sampler node giving the same latent for the same request."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def _set(args, flag, *values):
         ("--boundary", ["2"], "--boundary: expected a number in [0, 1]"),
         ("--device", ["mps"], "--device: only cpu and cuda"),
         ("--device", ["nonsense"], "--device: expected cpu, cuda or cuda:N"),
+        ("--attention", ["sage"], "--attention: attention='sage' needs the `sageattention` package"),
     ],
 )
 def test_bad_values_exit_2_before_loading(
@@ -271,6 +273,14 @@ def _fake_comfy(monkeypatch, ckpt, input_dir):
             pass
 
     utils.ProgressBar = ProgressBar
+    attn = types.ModuleType("comfy.ldm.modules.attention")
+    attn.optimized_attention = lambda q, k, v, heads, **kw: (
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t.view(1, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
+        )
+        .transpose(1, 2)
+        .reshape(q.shape)
+    )
     comfy = types.ModuleType("comfy")
     comfy.model_management, comfy.utils = mm, utils
     roots = {
@@ -283,12 +293,12 @@ def _fake_comfy(monkeypatch, ckpt, input_dir):
     fp.get_folder_paths = lambda kind: roots[kind]
     fp.get_filename_list = lambda kind: sorted(p.name for p in Path(roots[kind][0]).iterdir())
     fp.get_input_directory = lambda: str(input_dir)
-    for name, module in (
-        ("comfy", comfy),
-        ("comfy.model_management", mm),
-        ("comfy.utils", utils),
-        ("folder_paths", fp),
-    ):
+    ldm, ldm_modules = types.ModuleType("comfy.ldm"), types.ModuleType("comfy.ldm.modules")
+    comfy.__path__, ldm.__path__, ldm_modules.__path__ = [], [], []  # packages
+    comfy.ldm, ldm.modules, ldm_modules.attention = ldm, ldm_modules, attn
+    modules = {"comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils, "folder_paths": fp}
+    modules.update({"comfy.ldm": ldm, "comfy.ldm.modules": ldm_modules, "comfy.ldm.modules.attention": attn})
+    for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     for name in [n for n in sys.modules if n.startswith("lingbot_world.nodes")]:
         monkeypatch.delitem(sys.modules, name)
@@ -323,14 +333,17 @@ def test_switcher_attaches_the_plans_loras(ckpt, tmp_path):
         plan(config=replace(files.config, num_layers=1), loras=[LoraSpec(lora)])  # blocks.1 does not exist
 
 
-def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, monkeypatch):
+def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, monkeypatch, capsys):
     """The same request (a LoRA on the low-noise expert included) through both front ends."""
     latent_file = tmp_path / "cli.latent"
     lora = tiny_lora(tmp_path / "style.safetensors", checkpoints.resolve_checkpoint_dir(ckpt).config)
     args = args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess", "--seed", "7",
                     "--guide_scale", "4", "6", "--save_latent", str(latent_file),
-                    "--lora", f"{lora}:0.7:low")  # fmt: skip
-    assert cli.main(args) == 0
+                    "--lora", f"{lora}:0.7:low", "--cache", "easycache", "--cache_threshold", "0.5", "2",
+                    "--cache_keep_first", "2", "--cache_keep_last", "0")  # fmt: skip
+    assert cli.main(_set(args, "--sampling_steps", "10")) == 0
+    skipped = re.search(r"(\d+) skipped by the step cache", capsys.readouterr().out)
+    assert skipped and int(skipped.group(1)) > 0  # the cache did work, so the node must match it
     saved = load_file(str(latent_file))
     assert set(saved) == {"latent_tensor", "latent_format_version_0"}
 
@@ -344,9 +357,11 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     camera, frames = nodes.LingBotCamera().load(str(shipped_example))
     with Image.open(shipped_example / "image.jpg") as img:  # what core Load Image gives
         image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    (speed,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.0, 2, 0)
+    speed = replace(speed, cache_threshold=(0.5, 2.0))  # the node's one threshold; the CLI's pair form
     (out,) = nodes.LingBotSampler().sample(
-        experts, text, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
-        camera=camera,
+        experts, text, vae, image, "max_area", "64*112", 832, 480, 9, 10, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
+        camera=camera, speed=speed,
     )  # fmt: skip
     assert out["samples"].shape == saved["latent_tensor"].shape == (1, 16, 3, 6, 14)
     assert torch.equal(out["samples"], saved["latent_tensor"])

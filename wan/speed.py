@@ -79,6 +79,14 @@ class SpeedStats:
     def total_skipped(self) -> int:
         return sum(self.skipped.values())
 
+    def summary(self) -> str:
+        """One line for logs: forwards run and skipped per expert, compiled or not."""
+        per = ", ".join(f"{e} {self.forwards[e]} run / {self.skipped[e]} skipped" for e in ("high", "low"))
+        return (
+            f"transformer forwards: {self.total_forwards} run, {self.total_skipped} skipped by the step cache "
+            f"({per}); blocks {'compiled' if self.compiled else 'eager'}"
+        )
+
     def as_dict(self) -> dict:
         return {
             "forwards": dict(self.forwards),

@@ -1,0 +1,69 @@
+"""Speed options node: attention backend, compiled blocks and the step cache for the sampler."""
+
+import comfy.ldm.modules.attention as comfy_attention
+
+from ..wan import attention
+from ..wan.speed import SpeedOptions
+from .models import CATEGORY
+
+SPEED = "LINGBOT_SPEED"
+COMFY = "comfy"
+# ComfyUI's own kernel choice (--use-sage-attention, --use-flash-attention, xformers, ...), looked up on
+# every call so the server's setting applies to our blocks as to core nodes.
+attention.register_comfy(COMFY, lambda *args, **kwargs: comfy_attention.optimized_attention(*args, **kwargs))
+DEFAULTS = SpeedOptions()
+
+
+class LingBotSpeed:
+    DESCRIPTION = (
+        "Speed options for the LingBot-World sampler. Left at their defaults they change nothing (upstream's "
+        "exact computation). The step cache trades quality for speed; a guide scale of 1 on the sampler "
+        "already halves the work of each step."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "options"
+    RETURN_TYPES = (SPEED,)
+    RETURN_NAMES = ("speed",)
+    OUTPUT_TOOLTIPS = ("Wire into the sampler's speed input.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "attention": (["sdpa", "sage", COMFY], {
+                    "default": DEFAULTS.attention,
+                    "tooltip": "sdpa: PyTorch's kernels. sage: SageAttention (needs the sageattention package). "
+                    "comfy: ComfyUI's optimized attention, as set by --use-sage-attention / --use-flash-attention.",
+                }),
+                "compile": ("BOOLEAN", {
+                    "default": DEFAULTS.compile,
+                    "tooltip": "torch.compile the transformer blocks (one graph for all 40; the first step is slower "
+                    "while it compiles). Falls back to eager with one log line if Triton or a compiler is missing.",
+                }),
+                "step_cache": (["none", "easycache"], {
+                    "default": "none",
+                    "tooltip": "EasyCache: reuse the transformer's output on steps where it changes little (per "
+                    "expert, reset at the switch). Faster, at some cost in quality.",
+                }),
+                "cache_threshold": ("FLOAT", {
+                    "default": DEFAULTS.cache_threshold, "min": 0.0, "max": 10.0, "step": 0.005,
+                    "tooltip": "EasyCache threshold: higher skips more steps. 0 never skips.",
+                }),
+                "cache_keep_first": ("INT", {
+                    "default": DEFAULTS.cache_keep_first, "min": 0, "max": 1000,
+                    "tooltip": "Steps always computed at the start of each expert's stretch.",
+                }),
+                "cache_keep_last": ("INT", {
+                    "default": DEFAULTS.cache_keep_last, "min": 0, "max": 1000,
+                    "tooltip": "Steps always computed at the end of each expert's stretch.",
+                }),
+            },
+        }  # fmt: skip
+
+    def options(self, attention, compile, step_cache, cache_threshold, cache_keep_first, cache_keep_last):
+        return (
+            SpeedOptions(
+                attention=attention, compile=compile, cache=None if step_cache == "none" else step_cache,
+                cache_threshold=cache_threshold, cache_keep_first=cache_keep_first, cache_keep_last=cache_keep_last,
+            ),
+        )  # fmt: skip

@@ -30,7 +30,7 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world import cli  # noqa: E402
-from lingbot_world.loaders import demo_assets, synthetic  # noqa: E402
+from lingbot_world.loaders import checkpoints, demo_assets, synthetic  # noqa: E402
 from lingbot_world.wan.config import A14B  # noqa: E402
 from lingbot_world.wan.vae import WAN21_VAE_CONFIG, WanVAE, init_random_  # noqa: E402
 
@@ -51,6 +51,27 @@ def build_full_checkpoint(root: Path) -> Path:
     return root
 
 
+def write_random_lora(path: Path, config, rank: int) -> Path:
+    """A random rank-`rank` LoRA on every Linear of the experts, kohya-style keys (ComfyUI names)."""
+    from lingbot_world.loaders.formats import meta_model
+    from lingbot_world.wan.lora import lora_targets
+    from safetensors.torch import save_file
+
+    if path.is_file():
+        return path
+    g = torch.Generator().manual_seed(rank)
+    tensors = {}
+    for name, t in lora_targets(meta_model(config)).items():
+        if t.kind == "linear":
+            out_f, in_f = t.weight
+            key = f"diffusion_model.{name}"
+            tensors[f"{key}.lora_down.weight"] = torch.randn(rank, in_f, generator=g).bfloat16() * in_f**-0.5
+            tensors[f"{key}.lora_up.weight"] = torch.randn(out_f, rank, generator=g).bfloat16() * 0.01
+            tensors[f"{key}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path))
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
@@ -59,6 +80,11 @@ def main() -> int:
     ap.add_argument("--frame_num", type=int, default=81)
     ap.add_argument("--size", default="480*832")
     ap.add_argument("--vram-cap-gib", type=float, default=24.0)
+    ap.add_argument("--guide_scale", default="5", help="the CLI's --guide_scale (1 = one forward a step)")
+    ap.add_argument(
+        "--lora-rank", type=int, default=0, help="apply a random LoRA of this rank to both experts"
+    )
+    ap.add_argument("--extra", default="", help="more `generate` arguments, e.g. '--cache easycache'")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -81,11 +107,16 @@ def main() -> int:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * (1 << 30) / total))
     report, out = args.workdir / "phases.json", args.workdir / "out.mp4"
+    extra = ["--guide_scale", *args.guide_scale.split(), *args.extra.split()]
+    if args.lora_rank:
+        config = checkpoints.resolve_checkpoint_dir(ckpt).config
+        lora = write_random_lora(args.workdir / f"lora_r{args.lora_rank}.safetensors", config, args.lora_rank)
+        extra += ["--lora", str(lora)]
     argv = [
         "generate", "--ckpt_dir", str(ckpt), "--image", str(EXAMPLE / "image.jpg"),
         "--prompt", (EXAMPLE / "prompt.txt").read_text().strip(), "--action_path", str(EXAMPLE),
         "--size", size, "--frame_num", str(frames), "--sampling_steps", str(args.steps),
-        "--device", device, "--output", str(out), "--overwrite", "--report", str(report),
+        "--device", device, "--output", str(out), "--overwrite", "--report", str(report), *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
     rc = cli.main(argv)
@@ -98,6 +129,7 @@ def main() -> int:
         "size": size,
         "frame_num": frames,
         "steps": args.steps,
+        "extra": extra,
         "rc": rc,
         "wall_s": round(wall, 2),
         "phases": json.loads(report.read_text()) if report.is_file() else None,

@@ -8,6 +8,10 @@ blocks) at 464x832x81 (31,668 tokens) for:
 - compile: regional torch.compile of the DiT blocks (first step timed separately: it compiles);
 - sage / compile_sage: SageAttention, when `sageattention` is importable;
 - cfg1: guide scale 1, one forward per step;
+- lora: eager with a random rank-64 LoRA attached to every Linear of the expert (side path);
+- cache: a short multi-step run at a small size with EasyCache at several thresholds: forwards
+  skipped, time, and the final latent's deviation from the uncached run (random weights: this says
+  nothing about image quality);
 - floor: the same step's GEMMs at the real shapes as plain bf16 matmuls on dense weights, plus its
   self- and cross-attention with SDPA, on the same device (what kernels alone cost).
 
@@ -35,10 +39,13 @@ load_pack()
 from lingbot_world.loaders import stream, synthetic  # noqa: E402
 from lingbot_world.wan import attention, i2v, pipeline  # noqa: E402
 from lingbot_world.wan.config import A14B, CONTROL_CHANNELS, SampleConfig  # noqa: E402
+from lingbot_world.wan.lora import Lora, attach_lora, detach_all, lora_targets  # noqa: E402
 from lingbot_world.wan.speed import SpeedOptions, SpeedStats, compiler_missing  # noqa: E402
 
 # (height, width, frames, cond text tokens, uncond text tokens)
 SHAPES = {"full": (464, 832, 81, 60, 120), "tiny": (32, 48, 5, 7, 5)}
+CACHE_SHAPES = {"full": (240, 416, 17, 60, 120), "tiny": (32, 48, 5, 7, 5)}
+CACHE_STEPS, CACHE_THRESHOLDS = 20, (0.0, 0.05, 0.1, 0.2)
 
 
 def sync(device):
@@ -72,20 +79,25 @@ class Step:
         self.tokens = i2v.seq_len(lat_f, lat_h, lat_w)
         self.model, self.device = model, device
 
-    def __call__(self, options: SpeedOptions, guide: float, stats: SpeedStats):
-        settings = SampleConfig(sample_steps=1, guide_scale=(guide, guide))
+    def __call__(self, options: SpeedOptions, guide: float, stats: SpeedStats, steps: int = 1):
+        # boundary 0: every step on this one expert
+        settings = SampleConfig(sample_steps=steps, guide_scale=(guide, guide), boundary=0.0)
         return pipeline.denoise(
             lambda which: self.model, self.noise, self.y, self.context, self.context_null, self.cam,
             settings, speed=options, stats=stats,
         )  # fmt: skip
 
 
-def run_case(step: Step, options: SpeedOptions, guide: float, repeats: int) -> dict:
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+def run_case(step: Step, options: SpeedOptions, guide: float, repeats: int, reference=None) -> dict:
     device = step.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    stats = SpeedStats()
-    first = timed(lambda: step(options, guide, stats), device, 1)[0]  # warm-up; compiles if asked
+    stats, out = SpeedStats(), {}
+    first = timed(lambda: out.update(latent=step(options, guide, stats)), device, 1)[0]  # warm-up; compiles
     stats = SpeedStats()
     times = timed(lambda: step(options, guide, stats), device, repeats)
     result = {
@@ -97,7 +109,65 @@ def run_case(step: Step, options: SpeedOptions, guide: float, repeats: int) -> d
     }
     if device.type == "cuda":
         result["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
+    if reference is not None:
+        result["rel_error_vs_eager"] = rel_error(out["latent"], reference)
+    result["latent"] = out["latent"]
     return result
+
+
+def random_lora(model, rank: int, seed: int = 0) -> Lora:
+    """Rank-`rank` low-rank patches on every Linear of the model (what a full LoRA touches)."""
+    g = torch.Generator().manual_seed(seed)
+    patches = {}
+    for name, t in lora_targets(model).items():
+        if t.kind == "linear":
+            out_f, in_f = t.weight
+            down = torch.randn(rank, in_f, generator=g, dtype=torch.bfloat16) * in_f**-0.5
+            up = torch.randn(out_f, rank, generator=g, dtype=torch.bfloat16) * 0.01
+            patches[name] = (down, up, float(rank))
+    return Lora(patches, 1.0, f"random rank-{rank}")
+
+
+def lora_case(step: Step, repeats: int, rank: int, eager: dict) -> dict:
+    device = step.device
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    t0 = time.perf_counter()
+    attach_lora(step.model, random_lora(step.model, rank))
+    attach_s = time.perf_counter() - t0
+    added = (torch.cuda.memory_allocated(device) - before) / (1 << 30) if device.type == "cuda" else None
+    try:
+        result = run_case(step, SpeedOptions(), 5.0, repeats)
+    finally:
+        detach_all(step.model)
+    result.update(
+        rank=rank, attach_s=round(attach_s, 3), vram_added_gib=None if added is None else round(added, 3),
+        overhead=round(result["step_s"] / eager["step_s"] - 1, 4),
+    )  # fmt: skip
+    return result
+
+
+def cache_cases(model, cfg, device, scale: str) -> dict:
+    """A CACHE_STEPS-step run (guide 5) per threshold on a small latent: skipped forwards, time, and
+    the deviation of the final latent from the uncached run."""
+    step = Step(model, cfg, device, CACHE_SHAPES[scale])
+    out, exact = {"size": list(CACHE_SHAPES[scale][:3]), "steps": CACHE_STEPS}, None
+    for threshold in (None, *CACHE_THRESHOLDS):
+        options = SpeedOptions() if threshold is None else SpeedOptions(
+            cache="easycache", cache_threshold=threshold, cache_keep_first=3, cache_keep_last=1
+        )  # fmt: skip
+        stats, res = SpeedStats(), {}
+        t = timed(
+            lambda o=options, s=stats, r=res: r.update(latent=step(o, 5.0, s, steps=CACHE_STEPS)), device, 1
+        )[0]
+        if threshold is None:
+            exact = res["latent"]
+            out["exact"] = {"wall_s": round(t, 3), "forwards": stats.total_forwards}
+            continue
+        out[f"threshold_{threshold}"] = {
+            "wall_s": round(t, 3), "forwards": stats.total_forwards, "skipped_forwards": stats.total_skipped,
+            "rel_error_vs_exact": rel_error(res["latent"], exact), "bit_identical": torch.equal(res["latent"], exact),
+        }  # fmt: skip
+    return out
 
 
 def kernel_floor(cfg, tokens: int, device, repeats: int, forwards: int) -> dict:
@@ -154,6 +224,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="timed steps per case (after one warm-up)")
     ap.add_argument("--skip", nargs="*", default=[], help="cases to leave out (eager is always run)")
     ap.add_argument("--cpu-compile", action="store_true", help="also compile on CPU (minutes to build)")
+    ap.add_argument("--lora-rank", type=int, default=64, help="rank of the random LoRA of the lora case")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -199,17 +270,43 @@ def main() -> int:
         "tokens": step.tokens,
         "load_s": round(load_s, 2),
     }
+    reference = None
     for name, (options, guide, issue) in cases.items():
         if name != "eager" and name in args.skip:
             summary[name] = {"skipped": "--skip"}
         elif issue is not None:
             summary[name] = {"skipped": issue}
         else:
-            summary[name] = run_case(step, options, guide, args.repeats)
+            summary[name] = run_case(step, options, guide, args.repeats, reference if guide == 5.0 else None)
+            if name == "eager":
+                reference = summary[name]["latent"]
+            del summary[name]["latent"]
             print(f"{name}: {summary[name]}", file=sys.stderr)
-    floor = kernel_floor(cfg, step.tokens, device, max(args.repeats, 3), forwards=2)
+    if "lora" not in args.skip:
+        summary["lora"] = lora_case(step, args.repeats, args.lora_rank, summary["eager"])
+        del summary["lora"]["latent"]
+        print(f"lora: {summary['lora']}", file=sys.stderr)
+    if "cfg1" in summary and "step_s" in summary["cfg1"]:
+        summary["cfg1_over_cfg"] = round(summary["cfg1"]["step_s"] / summary["eager"]["step_s"], 3)
+    del step, reference
+    if "cache" not in args.skip:
+        summary["cache"] = cache_cases(model, cfg, device, args.scale)
+        print(f"cache: {summary['cache']}", file=sys.stderr)
+    floor = kernel_floor(
+        cfg,
+        i2v.seq_len(i2v.latent_frames(SHAPES[args.scale][2]), *(v // 8 for v in SHAPES[args.scale][:2])),
+        device,
+        max(args.repeats, 3),
+        forwards=2,
+    )
     summary["floor"] = floor
     summary["eager_over_floor"] = round(summary["eager"]["step_s"] / floor["step_s"], 2)
+    best = min(
+        (v["step_s"], k)
+        for k, v in summary.items()
+        if k in ("eager", "compile", "sage", "compile_sage") and "step_s" in v
+    )
+    summary["best_default_quality"] = {"case": best[1], "over_floor": round(best[0] / floor["step_s"], 3)}
     print(json.dumps(summary))
     return 0
 

@@ -175,8 +175,6 @@ def resolve_device(text: str) -> torch.device:
             raise ValueError(
                 f"--device {text}: this machine has {count} CUDA device(s) (cuda:0..{count - 1})"
             )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .formats import detect_expert_format, find_experts
+from .tensor_file import check_dir, exists, path_problem
 from .text_encoder import resolve_tokenizer
 
 TEXT_ENCODER_NAMES = (
@@ -29,13 +30,17 @@ class CheckpointFiles:
 
 
 def _first(root: Path, names) -> Path | None:
-    return next((root / n for n in names if (root / n).is_file()), None)
+    """The first of `names` present in `root`, readable or not (its loader names what is wrong)."""
+    return next((root / n for n in names if exists(root / n)), None)
+
+
+def _unusable(path: Path, role: str) -> list[str]:
+    problem = path_problem(path)
+    return [] if problem is None else [f"{path} ({role}): {problem}"]
 
 
 def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: checkpoint directory not found")
+    root = check_dir(ckpt_dir, "checkpoint directory")
     missing = []
     try:
         experts = find_experts(root)
@@ -46,6 +51,8 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
     tokenizer = None
     if text_encoder is None:
         missing.append(f"{root / TEXT_ENCODER_NAMES[0]} (text encoder)")
+    elif _unusable(text_encoder, "text encoder"):
+        missing += _unusable(text_encoder, "text encoder")
     else:
         try:
             source = resolve_tokenizer(encoder_path=text_encoder)
@@ -57,6 +64,8 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
     vae = _first(root, VAE_NAMES)
     if vae is None:
         missing.append(f"{root / VAE_NAMES[0]} (VAE)")
+    else:
+        missing += _unusable(vae, "VAE")
     if missing:
         raise FileNotFoundError(f"{root}: incomplete checkpoint, missing:\n  - " + "\n  - ".join(missing))
     control_type = detect_expert_format(experts["high"]).control_type

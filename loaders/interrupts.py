@@ -53,7 +53,7 @@ class InterruptGuard:
     def check(self) -> None:
         """Raise the interrupt a handler raised, if one did (and some C code swallowed it)."""
         if self.raised is not None:
-            raise self.raised
+            raise _fresh(self.raised)
 
     def __exit__(self, exc_type, exc, tb):
         for sig, previous in self._saved.items():
@@ -61,5 +61,12 @@ class InterruptGuard:
         self._saved.clear()
         pending, self.raised = self.raised, None
         if pending is not None and exc is not pending:
-            raise pending from None
+            raise _fresh(pending) from None
         return False
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """`exc` without the traceback it got in the handler: that one leads (through the handler
+    frame's caller) to the frame the signal interrupted, which holds whatever the C code was
+    reading (a view of a memory-mapped file) for as long as the exception lives."""
+    return exc.with_traceback(None)

@@ -394,12 +394,13 @@ def test_guard_turns_a_swallowed_interrupt_back_into_itself():
 
 
 INTERRUPT_CHILD = r"""
-import gc, json, os, sys, traceback
+import gc, json, os, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
 from lingbot import load_pack
 load_pack()
-from lingbot_world.loaders import monitor, stream
+from lingbot_world.loaders import formats, monitor, stream
 path = sys.argv[2]
+src = formats.detect_expert_format(path)  # detected once: most of each load is then the tensor reads
 
 def state():
     gc.collect()
@@ -409,23 +410,28 @@ def state():
                 maps=maps, rss=monitor.rss_anon())
 
 for _ in range(3):
-    stream.release(stream.load_expert(path, "cpu"))
+    model = stream.load_expert(src, "cpu")
+del model
 print(json.dumps(state()), flush=True)
 while True:
-    try:
+    try:  # SIGINT is held back while reporting, so that every one lands in the loads
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         while True:
-            stream.release(stream.load_expert(path, "cpu"))
+            model = stream.load_expert(src, "cpu")
+            del model
     except KeyboardInterrupt:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         print(json.dumps(state()), flush=True)
     except BaseException as e:
         print(json.dumps(dict(error=traceback.format_exc())), flush=True)
 """
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts fds and mappings in /proc")
 def test_ctrl_c_during_load_expert_always_ends_as_keyboard_interrupt(tmp_path):
     """SIGINT at random moments of repeated loads: every one must surface as KeyboardInterrupt (it
-    used to be lost inside safetensors' read about once in ten), with no file, mapping or memory
-    left behind."""
+    used to be lost inside safetensors' read about once in ten here), with no file, mapping or
+    memory left behind."""
     path = S.write_nf4_expert(tmp_path / "e", CFG, seed=1) / "model.safetensors"
     proc = subprocess.Popen(
         [sys.executable, "-c", INTERRUPT_CHILD, str(ROOT), str(path)],
@@ -435,8 +441,8 @@ def test_ctrl_c_during_load_expert_always_ends_as_keyboard_interrupt(tmp_path):
     try:
         base = json.loads(proc.stdout.readline())
         ends = []
-        for _ in range(30):
-            time.sleep(rng.uniform(0.0, 0.25))
+        for _ in range(50):
+            time.sleep(rng.uniform(0.0, 0.1))
             proc.send_signal(signal.SIGINT)
             ends.append(json.loads(proc.stdout.readline()))
     finally:
@@ -446,4 +452,4 @@ def test_ctrl_c_during_load_expert_always_ends_as_keyboard_interrupt(tmp_path):
     assert not errors, errors[0]
     last = ends[-1]
     assert last["fds"] == base["fds"] and last["maps"] == base["maps"] == 0, (base, last)
-    assert last["rss"] - base["rss"] < 16 << 20, (base, last)  # 30 loads of ~0.6 MB each did not pile up
+    assert last["rss"] - base["rss"] < 16 << 20, (base, last)  # the ~0.6 MB models did not pile up

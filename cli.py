@@ -350,5 +350,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:  # bad input: files, arrays, arguments
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except text_encode.EncoderProcessError as err:  # the child's status and last lines, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..wan.config import DiTConfig
 from .formats import find_experts
 from .request import expert_pair_config
+from .tensor_file import check_dir, exists, path_problem
 from .text_encoder import resolve_tokenizer
 
 TEXT_ENCODER_NAMES = (
@@ -36,13 +37,17 @@ class CheckpointFiles:
 
 
 def _first(root: Path, names) -> Path | None:
-    return next((root / n for n in names if (root / n).is_file()), None)
+    """The first of `names` present in `root`, readable or not (its loader names what is wrong)."""
+    return next((root / n for n in names if exists(root / n)), None)
+
+
+def _unusable(path: Path, role: str) -> list[str]:
+    problem = path_problem(path)
+    return [] if problem is None else [f"{path} ({role}): {problem}"]
 
 
 def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: checkpoint directory not found")
+    root = check_dir(ckpt_dir, "checkpoint directory")
     missing = []
     try:
         experts = find_experts(root)
@@ -53,6 +58,8 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
     tokenizer = None
     if text_encoder is None:
         missing.append(f"{root / TEXT_ENCODER_NAMES[0]} (text encoder)")
+    elif _unusable(text_encoder, "text encoder"):
+        missing += _unusable(text_encoder, "text encoder")
     else:
         try:
             source = resolve_tokenizer(encoder_path=text_encoder)
@@ -64,6 +71,8 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
     vae = _first(root, VAE_NAMES)
     if vae is None:
         missing.append(f"{root / VAE_NAMES[0]} (VAE)")
+    else:
+        missing += _unusable(vae, "VAE")
     if missing:
         raise FileNotFoundError(f"{root}: incomplete checkpoint, missing:\n  - " + "\n  - ".join(missing))
     config, _ = expert_pair_config(experts)

@@ -2,7 +2,7 @@
 
 On a switch the resident expert is either dropped (and streamed again from disk when next needed)
 or parked in host RAM while the parked total stays under `ram_budget` bytes, which makes repeated
-runs (ComfyUI queues, CLI batches) skip the disk read at the cost of that RAM.
+runs in one process (the ComfyUI node's `keep_in_ram_gb`) skip the disk read at the cost of that RAM.
 """
 
 from pathlib import Path

@@ -1,10 +1,13 @@
 """Recognise and validate one DiT expert checkpoint from its headers alone (no weight is read).
 
-Layouts accepted (see docs/lingbot-world.md section 6):
-- ``nf4_folder``: the community NF4 repack, ``config.json`` + ``model.safetensors`` (+ optional
-  ``quantization_meta.json``); every Linear stored as bitsandbytes Params4bit components.
-- ``nf4_pt``: the same state dict in an older ``model.pt`` (read with ``torch.load(weights_only=True,
-  mmap=True)``, never unpickled otherwise).
+Layouts accepted:
+- ``nf4_folder``: the community NF4 repack (cahlen/lingbot-world-base-cam-nf4), ``config.json`` +
+  ``model.safetensors`` (+ optional ``quantization_meta.json``); every Linear stored as bitsandbytes
+  Params4bit components (``weight``, ``absmax``, ``quant_map``, ``nested_absmax``,
+  ``nested_quant_map``, ``quant_state.bitsandbytes__nf4``), biases, norms, modulation and the
+  Conv3d patch embedding in 16-bit.
+- ``nf4_pt``: the same state dict in a ``model.pt``, as an earlier revision of that repack stored
+  it (read with ``torch.load(weights_only=True, mmap=True)``, never unpickled otherwise).
 - ``diffusers_folder``: upstream ``high_noise_model/``: ``config.json`` + ``diffusion_pytorch_model.safetensors``
   or shards listed by ``diffusion_pytorch_model.safetensors.index.json``.
 - ``single_safetensors``: one ``.safetensors`` file (ComfyUI ``models/diffusion_models/``).
@@ -16,7 +19,6 @@ layers the dense shape is the one in the ``quant_state`` JSON, not the packed te
 
 import json
 import math
-import struct
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
@@ -27,6 +29,21 @@ from torch import nn
 
 from ..wan.config import A14B, CONTROL_CHANNELS, DiTConfig
 from ..wan.dit import WanModel
+from .tensor_file import (  # noqa: F401 - re-exported: the expert format's readers live there
+    MAX_HEADER_BYTES,
+    ST_DTYPES,
+    ST_NAMES,
+    CheckpointError,
+    TensorRef,
+    check_dir,
+    check_file,
+    exists,
+    file_error,
+    load_torch_state,
+    name_list,
+    path_problem,
+    read_safetensors_header,
+)
 
 NF4_WEIGHTS = "model.safetensors"
 NF4_PT = "model.pt"
@@ -39,27 +56,7 @@ EXPERT_DIRS = {
     "low": ("low_noise_model_bnb_nf4", "low_noise_model"),
 }
 
-# safetensors dtype names, in the order of the format's Dtype enum (writers sort by it).
-ST_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-}
-ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 # bitsandbytes Params4bit serialisation: suffixes after "<layer>.weight."
 QS_PREFIX = "quant_state.bitsandbytes__"
@@ -67,35 +64,6 @@ QUANT_PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 NESTED_FIELDS = ("nested_blocksize", "nested_dtype", "nested_offset")
 # Prefixes some single-file exports put before the original key names.
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-LIST_LIMIT = 12  # names shown per error list
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and tensor."""
-
-
-def _listing(names, limit: int = LIST_LIMIT) -> str:
-    names = sorted(names)
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one stored tensor lives: ``start``/``end`` are absolute byte offsets in ``file``
-    (-1 for tensors of a ``.pt`` state dict)."""
-
-    name: str  # model key (prefix stripped)
-    file: Path
-    key: str  # key inside the file
-    dtype: torch.dtype
-    shape: tuple
-    start: int = -1
-    end: int = -1
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -140,90 +108,30 @@ class ExpertSource:
         return max(t.nbytes for t in self.tensors.values())
 
 
-# ----------------------------------------------------------------------------- safetensors headers
-
-
-def read_safetensors_header(path) -> tuple[dict, dict]:
-    """Parse and check a safetensors header: ({key: TensorRef}, metadata). Reads no tensor data.
-
-    Checks the 8-byte length, the JSON, every dtype/shape/offset, that the offsets tile the data
-    region without gaps or overlaps, and that the file is long enough to hold them (truncation).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: not a safetensors file (only {size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(
-                f"{path}: corrupt or truncated safetensors header (declares {n} header bytes, "
-                f"file has {size} bytes)"
-            )
-        raw = f.read(n)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    refs, spans = {}, []
-    for key, info in header.items():
-        try:
-            dtype = ST_DTYPES[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            start, end = (int(o) for o in info["data_offsets"])
-            if min(shape, default=0) < 0 or start < 0 or end < start:
-                raise ValueError("negative size or offset")
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {key!r} ({e!r})") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if end - start != nbytes:
-            raise CheckpointError(
-                f"{path}: tensor {key!r} header says {end - start} bytes, but {info['dtype']} "
-                f"{list(shape)} needs {nbytes}"
-            )
-        refs[key] = TensorRef(key, path, key, dtype, shape, base + start, base + end)
-        spans.append((start, end, key))
-    spans.sort()
-    pos = 0
-    for start, end, key in spans:
-        if start != pos:
-            raise CheckpointError(f"{path}: corrupt header, tensor {key!r} starts at {start}, expected {pos}")
-        pos = end
-    if base + pos > size:
-        last = next((k for s, e, k in spans if base + e > size), "?")
-        raise CheckpointError(
-            f"{path}: truncated, tensor {last!r} needs bytes up to {base + pos} but the file has {size}"
-        )
-    return refs, metadata
+# ----------------------------------------------------------------------------- files and folders
 
 
 def read_bytes(ref: TensorRef, pt_state: dict | None = None) -> bytes:
     """The raw bytes of one (small) stored tensor."""
     if ref.start < 0:
         return pt_state[ref.key].contiguous().view(torch.uint8).numpy().tobytes()
-    with open(ref.file, "rb") as f:
-        f.seek(ref.start)
-        data = f.read(ref.end - ref.start)
+    try:
+        with open(ref.file, "rb") as f:
+            f.seek(ref.start)
+            data = f.read(ref.end - ref.start)
+    except OSError as e:
+        raise file_error(ref.file, "checkpoint file", e) from None
     if len(data) != ref.end - ref.start:
         raise CheckpointError(f"{ref.file}: truncated while reading tensor {ref.key!r}")
     return data
 
 
-# ----------------------------------------------------------------------------- files and folders
-
-
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, what: str = "JSON file") -> dict:
+    check_file(path, what)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: file not found") from None
+    except OSError as e:
+        raise file_error(path, what, e) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
@@ -231,17 +139,42 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _weight_map(index_path: Path) -> dict:
+    """The index's {tensor name: shard file name}, checked to be one."""
+    weight_map = _read_json(index_path, "shard index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v and Path(v).name == v for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index_path}: 'weight_map' must map tensor names to shard file names in the same folder"
+        )
+    return weight_map
+
+
+def _lacks(path: Path) -> list[str]:
+    """[] when `path` is a readable file, else one entry: the path and, unless simply absent, what it is."""
+    problem = path_problem(path)
+    if problem is None:
+        return []
+    return [str(path) if problem == "not found" else f"{path} ({problem})"]
+
+
 def _folder_missing(folder: Path) -> list[str] | None:
-    """Files a folder lacks to be a complete expert, or None when it is no expert folder at all."""
-    if (folder / NF4_WEIGHTS).is_file() or (folder / NF4_PT).is_file():
-        return [] if (folder / CONFIG).is_file() else [str(folder / CONFIG)]
+    """What a folder lacks to be a complete expert (missing or unreadable files), or None when it
+    is no expert folder at all. A file that is there but unusable (a folder, a symlink loop, no
+    read permission) counts as there, and is listed with what is wrong with it."""
+    for name in (NF4_WEIGHTS, NF4_PT):
+        if exists(folder / name):
+            return _lacks(folder / name) + _lacks(folder / CONFIG)
     index = folder / DIFFUSERS_INDEX
-    if index.is_file() or (folder / DIFFUSERS_SINGLE).is_file():
-        missing = [] if (folder / CONFIG).is_file() else [str(folder / CONFIG)]
-        if index.is_file():
-            shards = set(_read_json(index).get("weight_map", {}).values())
-            missing += [str(folder / s) for s in sorted(shards) if not (folder / s).is_file()]
-        return missing
+    if exists(index):
+        missing = _lacks(folder / CONFIG)
+        if path_problem(index) is not None:
+            return missing + _lacks(index)
+        shards = sorted(set(_weight_map(index).values()))
+        return missing + [entry for s in shards for entry in _lacks(folder / s)]
+    if exists(folder / DIFFUSERS_SINGLE):
+        return _lacks(folder / CONFIG) + _lacks(folder / DIFFUSERS_SINGLE)
     return None
 
 
@@ -249,11 +182,9 @@ def find_experts(ckpt_dir) -> dict:
     """{'high': Path, 'low': Path} for an upstream or NF4-repack checkpoint directory.
 
     Takes ``<role>_noise_model_bnb_nf4/`` when complete, else upstream's ``<role>_noise_model/``.
-    Every missing file or folder is listed in one FileNotFoundError.
+    Every missing or unreadable file or folder is listed in one FileNotFoundError.
     """
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: checkpoint directory not found")
+    root = check_dir(ckpt_dir, "checkpoint directory")
     found, missing = {}, []
     for role, names in EXPERT_DIRS.items():
         folders = [root / n for n in names if (root / n).is_dir()]
@@ -264,9 +195,7 @@ def find_experts(ckpt_dir) -> dict:
             lacks = _folder_missing(folder)
             if lacks is None:
                 weights = NF4_WEIGHTS if folder.name.endswith("_bnb_nf4") else DIFFUSERS_SINGLE
-                lacks = [str(folder / weights)] + (
-                    [] if (folder / CONFIG).is_file() else [str(folder / CONFIG)]
-                )
+                lacks = [str(folder / weights)] + _lacks(folder / CONFIG)
             missing += lacks
         else:
             missing.append(
@@ -280,34 +209,33 @@ def find_experts(ckpt_dir) -> dict:
 
 def _resolve(path: Path) -> tuple[str, list[Path], Path | None]:
     """(kind, weight files, config.json or None) for a folder or file path."""
-    if path.is_file():
+    problem = path_problem(path)
+    if problem is None:
         if path.suffix == ".safetensors":
-            if path.name == NF4_WEIGHTS and (path.parent / CONFIG).is_file():
+            if path.name == NF4_WEIGHTS and exists(path.parent / CONFIG):
                 return "nf4_folder", [path], path.parent / CONFIG
-            if path.name == DIFFUSERS_SINGLE and (path.parent / CONFIG).is_file():
+            if path.name == DIFFUSERS_SINGLE and exists(path.parent / CONFIG):
                 return "diffusers_folder", [path], path.parent / CONFIG
             return "single_safetensors", [path], None
         if path.suffix in (".pt", ".pth"):
             return "nf4_pt", [path], path.parent / CONFIG
         raise CheckpointError(f"{path}: not a checkpoint file (expected .safetensors or .pt)")
     if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such checkpoint file or folder")
+        raise file_error(path, "checkpoint file or folder")
     cfg = path / CONFIG
-    if (path / NF4_WEIGHTS).is_file():
-        return "nf4_folder", [path / NF4_WEIGHTS], cfg
-    if (path / NF4_PT).is_file():
-        return "nf4_pt", [path / NF4_PT], cfg
-    if (path / DIFFUSERS_INDEX).is_file():
-        index = _read_json(path / DIFFUSERS_INDEX)
-        shards = sorted(set((index.get("weight_map") or {}).values()))
+    for name, kind in ((NF4_WEIGHTS, "nf4_folder"), (NF4_PT, "nf4_pt")):
+        if exists(path / name):
+            return kind, [check_file(path / name, "expert weights file")], cfg
+    if exists(path / DIFFUSERS_INDEX):
+        shards = sorted(set(_weight_map(path / DIFFUSERS_INDEX).values()))
         if not shards:
             raise CheckpointError(f"{path / DIFFUSERS_INDEX}: has no weight_map")
-        missing = [str(path / s) for s in shards if not (path / s).is_file()]
+        missing = [str(path / s) for s in shards if not exists(path / s)]
         if missing:
             raise FileNotFoundError(f"{path}: missing shard files: " + ", ".join(missing))
-        return "diffusers_folder", [path / s for s in shards], cfg
-    if (path / DIFFUSERS_SINGLE).is_file():
-        return "diffusers_folder", [path / DIFFUSERS_SINGLE], cfg
+        return "diffusers_folder", [check_file(path / s, "shard file") for s in shards], cfg
+    if exists(path / DIFFUSERS_SINGLE):
+        return "diffusers_folder", [check_file(path / DIFFUSERS_SINGLE, "expert weights file")], cfg
     raise FileNotFoundError(
         f"{path}: no expert weights found (looked for {NF4_WEIGHTS}, {NF4_PT}, {DIFFUSERS_INDEX}, "
         f"{DIFFUSERS_SINGLE})"
@@ -326,14 +254,9 @@ def _renamed(ref: TensorRef, name: str) -> TensorRef:
 
 
 def _load_pt(path: Path) -> tuple[dict, dict]:
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many types for bad files; all mean "unreadable"
-        raise CheckpointError(
-            f"{path}: cannot be read with torch.load(weights_only=True, mmap=True): {e}"
-        ) from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{path}: expected a flat state dict of tensors")
+    state = load_torch_state(
+        path, "expert weights file", "model.pt holding only tensors, or model.safetensors"
+    )
     refs = {k: TensorRef(k, path, k, v.dtype, tuple(v.shape)) for k, v in state.items()}
     return refs, state
 
@@ -357,7 +280,7 @@ def _parse_quant_layers(refs: dict, pt_state) -> dict:
     if stray:
         first = refs[stray[0]].file
         raise CheckpointError(
-            f"{first}: incomplete quantization components: {_listing(stray)} present but no "
+            f"{first}: incomplete quantization components: {name_list(stray)} present but no "
             f"'<layer>.weight.{QS_PREFIX}nf4' tensor for their layer"
         )
     out = {}
@@ -394,9 +317,9 @@ def _parse_quant_layers(refs: dict, pt_state) -> dict:
         if missing or extra:
             raise CheckpointError(
                 f"{ref.file}: incomplete quantization components for layer {module}: "
-                + (f"missing {_listing(missing)}" if missing else "")
+                + (f"missing {name_list(missing)}" if missing else "")
                 + (
-                    f"{'; ' if missing else ''}unexpected {_listing(extra)} (JSON says not nested)"
+                    f"{'; ' if missing else ''}unexpected {name_list(extra)} (JSON says not nested)"
                     if extra
                     else ""
                 )
@@ -442,8 +365,10 @@ def _logical_shapes(refs: dict, quant: dict) -> dict:
 def infer_dit_config(shapes: dict, config: dict, where: str) -> DiTConfig:
     """DiTConfig from tensor shapes, config.json filling only what shapes cannot tell.
 
-    Raises CheckpointError where config.json disagrees with the tensors.
+    Raises CheckpointError where config.json holds a value of the wrong kind or disagrees with the
+    tensors.
     """
+    _check_config_values(config, where)
     found, basis = {}, {}
 
     def take(name, key, value):
@@ -504,9 +429,39 @@ def infer_dit_config(shapes: dict, config: dict, where: str) -> DiTConfig:
         values["num_heads"] = values["dim"] // 128
     try:
         _layout(DiTConfig(**values))  # the model's own argument checks
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ArithmeticError) as e:
         raise CheckpointError(f"{where}: unusable architecture ({e})") from None
     return DiTConfig(**values)
+
+
+def _check_config_values(config: dict, where: str) -> None:
+    """Each DiTConfig field config.json states has the kind of value the model takes."""
+    for f in fields(DiTConfig):
+        if f.name not in config:
+            continue
+        value, default = config[f.name], f.default
+        if f.name == "control_type":
+            ok, want = (
+                value is None or value in CONTROL_CHANNELS,
+                f"null or one of {sorted(CONTROL_CHANNELS)}",
+            )
+        elif isinstance(default, bool):
+            ok, want = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, want = type(value) is int and value > 0, "a positive integer"
+        elif isinstance(default, float):
+            ok = type(value) in (int, float) and 0 < value < math.inf
+            want = "a positive number"
+        elif isinstance(default, tuple):
+            ok = isinstance(value, list) and len(value) == len(default)
+            ok = ok and all(type(v) is int and (v > 0 or f.name == "window_size") for v in value)
+            want = (
+                f"a list of {len(default)} {'integers' if f.name == 'window_size' else 'positive integers'}"
+            )
+        else:
+            ok, want = isinstance(value, type(default)), f"a {type(default).__name__}"
+        if not ok:
+            raise CheckpointError(f"{where}: config {f.name}={value!r:.80} is not {want}")
 
 
 @contextmanager
@@ -570,16 +525,16 @@ def _check_layout(cfg: DiTConfig, refs: dict, quant: dict, where: str) -> None:
     unexpected = [k for k in refs if k not in used]
     problems = []
     if missing:
-        problems.append(f"missing keys ({len(missing)}): {_listing(missing)}")
+        problems.append(f"missing keys ({len(missing)}): {name_list(missing)}")
     if unexpected:
         hint = ""
         if any(".attn1." in k or k.startswith("condition_embedder.") for k in unexpected):
             hint = " (diffusers WanTransformer3DModel naming; expected the original Wan key names)"
-        problems.append(f"unexpected keys ({len(unexpected)}): {_listing(unexpected)}{hint}")
+        problems.append(f"unexpected keys ({len(unexpected)}): {name_list(unexpected)}{hint}")
     if wrong_shape:
-        problems.append(f"shape mismatch ({len(wrong_shape)}): {_listing(wrong_shape)}")
+        problems.append(f"shape mismatch ({len(wrong_shape)}): {name_list(wrong_shape)}")
     if wrong_dtype:
-        problems.append(f"dtype mismatch ({len(wrong_dtype)}): {_listing(wrong_dtype)}")
+        problems.append(f"dtype mismatch ({len(wrong_dtype)}): {name_list(wrong_dtype)}")
     if problems:
         variant = cfg.control_type or "plain"
         raise CheckpointError(
@@ -589,6 +544,9 @@ def _check_layout(cfg: DiTConfig, refs: dict, quant: dict, where: str) -> None:
 
 
 def _check_quant_meta(meta: dict, cfg: DiTConfig, quant: dict, path: Path) -> None:
+    for section in ("model_config", "quant"):
+        if not isinstance(meta.get(section) or {}, dict):
+            raise CheckpointError(f"{path}: '{section}' is not a JSON object")
     for key, value in (meta.get("model_config") or {}).items():
         if key in DiTConfig.__dataclass_fields__:
             ours = getattr(cfg, key)
@@ -622,9 +580,9 @@ def detect_expert_format(path) -> ExpertSource:
     """
     path = Path(path)
     kind, files, cfg_path = _resolve(path)
-    if cfg_path is not None and not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path}: file not found (the {kind} layout needs it)")
-    config = _read_json(cfg_path) if cfg_path is not None else {}
+    config = (
+        _read_json(cfg_path, f"expert config (the {kind} layout needs it)") if cfg_path is not None else {}
+    )
 
     refs, pt_state, metadata = {}, None, {}
     if kind == "nf4_pt":
@@ -643,8 +601,10 @@ def detect_expert_format(path) -> ExpertSource:
     if kind == "single_safetensors" and "config" in metadata:
         try:
             config = json.loads(metadata["config"])
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise CheckpointError(f"{files[0]}: metadata 'config' is not valid JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{files[0]}: metadata 'config' is not a JSON object")
     where = str(cfg_path) if cfg_path is not None else str(files[0])
     if not refs:
         raise CheckpointError(f"{files[0]}: holds no tensors")
@@ -655,19 +615,19 @@ def detect_expert_format(path) -> ExpertSource:
     meta = None
     meta_path = (cfg_path.parent if cfg_path is not None else files[0].parent) / NF4_META
     if kind.startswith("nf4") and meta_path.is_file():
-        meta = _read_json(meta_path)
+        meta = _read_json(meta_path, NF4_META)
         _check_quant_meta(meta, cfg, quant, meta_path)
     return ExpertSource(kind, path, files, config, cfg, refs, quant, meta, pt_state)
 
 
 def _check_index(index_path: Path, refs: dict) -> None:
-    weight_map = _read_json(index_path).get("weight_map") or {}
+    weight_map = _weight_map(index_path)
     absent = [k for k, shard in weight_map.items() if k not in refs or refs[k].file.name != Path(shard).name]
     unlisted = [k for k in refs if k not in weight_map]
     if absent or unlisted:
         raise CheckpointError(
             f"{index_path}: disagrees with its shards: "
-            + (f"listed but not in the named shard: {_listing(absent)}" if absent else "")
+            + (f"listed but not in the named shard: {name_list(absent)}" if absent else "")
             + ("; " if absent and unlisted else "")
-            + (f"in a shard but not listed: {_listing(unlisted)}" if unlisted else "")
+            + (f"in a shard but not listed: {name_list(unlisted)}" if unlisted else "")
         )

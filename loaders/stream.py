@@ -9,6 +9,7 @@ NF4 (blocksize 64, double quant) one at a time as they arrive. Host memory above
 within the staging buffers plus one tensor (for a CPU target, plus the model itself).
 """
 
+import sys
 import traceback
 from collections import defaultdict
 from pathlib import Path
@@ -27,6 +28,7 @@ from .formats import (
     meta_model,
     skip_init,
 )
+from .interrupts import InterruptGuard
 from .monitor import free_memory, trim_heap
 
 NF4_ARGS = dict(blocksize=64, compress_statistics=True, quant_type="nf4")
@@ -224,7 +226,8 @@ def quantize_nf4(weight: torch.Tensor, dtype: torch.dtype):
     return packed, qs
 
 
-def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtype, staging_bytes) -> WanModel:
+def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtype, staging_bytes,
+          check_interrupt=lambda: None) -> WanModel:  # fmt: skip
     import bitsandbytes.functional as bnb_f
 
     _, linears = expected_layout(src.dit_config)
@@ -245,6 +248,7 @@ def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtyp
     pending = defaultdict(dict)
     try:
         for ref, view in _views(src):
+            check_interrupt()
             if ref.name in owner:
                 module, part = owner[ref.name]
                 if part == "quant_state":  # parsed at detection; handed over as bytes
@@ -294,23 +298,41 @@ def load_expert(source, device=None, quantize: bool | None = None, dtype: torch.
     from the file's pages).
 
     The model is in eval mode with requires_grad False. Free it with `release(model)`. On any
-    error everything allocated so far is freed before the exception propagates.
+    error everything allocated so far is freed before the exception propagates; an interrupt
+    (Ctrl-C, or a SIGTERM handler that raises) always propagates as itself (see InterruptGuard).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    outer = sys.exc_info()[1]  # an exception the caller is handling: not ours to clear
     try:
-        src = source if isinstance(source, ExpertSource) else detect_expert_format(source)
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                return _load(src, device, quantize, dtype, compute_dtype, staging_bytes)
-        return _load(src, device, quantize, dtype, compute_dtype, staging_bytes)
+        with InterruptGuard() as guard:
+            src = source if isinstance(source, ExpertSource) else detect_expert_format(source)
+            guard.check()
+            args = (src, device, quantize, dtype, compute_dtype, staging_bytes, guard.check)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    return _load(*args)
+            return _load(*args)
     except BaseException as exc:
         # The traceback keeps every frame's locals (the half-built model, staged tensors) alive;
         # clear them so the memory goes back now, not when the caller drops the exception.
-        traceback.clear_frames(exc.__traceback__)
+        clear_traceback_frames(exc, stop=outer)
         try:
             free_memory()
         except Exception:  # noqa: BLE001 - e.g. a CUDA fault; the original error matters more
             pass
         raise
+
+
+def clear_traceback_frames(exc: BaseException, stop: BaseException | None = None) -> None:
+    """Drop the locals of every frame in the tracebacks of `exc` and the exceptions chained to it
+    (an interrupt re-raised by InterruptGuard carries the error it replaced), up to `stop`."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or e is stop or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]

@@ -1,4 +1,4 @@
-"""Random umT5 checkpoints and tokenizers built offline, in both file layouts (tests, demo, benchmarks)."""
+"""Random umT5 checkpoints and tokenizers built offline, in both file layouts (tests and the demo)."""
 
 import io
 import json

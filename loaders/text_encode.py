@@ -31,6 +31,7 @@ import torch
 from ..wan.config import T5_DTYPE, TEXT_LEN
 from ..wan.t5 import encode_trimmed
 from .monitor import free_memory, rss_anon
+from .tensor_file import check_file
 from .text_encoder import (
     TokenizerSource,
     UMT5Tokenizer,
@@ -44,12 +45,37 @@ ROOT = Path(__file__).resolve().parents[1]  # the pack folder, where lingbot.py 
 CACHE_VERSION = 1
 DEFAULT_TIMEOUT_S = 3600.0
 MODES = ("subprocess", "inprocess")
-# The child imports the pack by path (as lingbot.py does), so it needs neither the CLI nor ComfyUI.
-_CHILD_BOOT = (
-    "import sys; sys.path.insert(0, sys.argv[1]); from lingbot import load_pack; load_pack(); "
-    "from lingbot_world.loaders.text_encode import child_main; sys.exit(child_main(sys.argv[2]))"
-)
+WORK_PREFIX = "lingbot_t5_"  # temp folders: lingbot_t5_<parent pid>_<random>
+LOCK_NAME = "owner.lock"
+# The child's first lines, before any heavy import: on Linux ask the kernel to SIGKILL it when its
+# parent goes (PR_SET_PDEATHSIG = 1), exit if the parent is already gone, then read the request and
+# delete it at once (it holds the prompts). It imports the pack by path (as lingbot.py does), so it
+# needs neither the CLI nor ComfyUI. argv: pack folder, request.json, parent pid.
+_CHILD_BOOT = """
+import json, os, sys
+if sys.platform.startswith("linux"):
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)
+    except Exception:
+        pass
+if os.getppid() != int(sys.argv[3]):
+    os._exit(70)
+with open(sys.argv[2], encoding="utf-8") as f:
+    request = json.load(f)
+os.unlink(sys.argv[2])
+sys.path.insert(0, sys.argv[1])
+from lingbot import load_pack
+load_pack()
+from lingbot_world.loaders.text_encode import child_main
+sys.exit(child_main(request))
+"""
 _REPORTED_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
+class EncoderProcessError(RuntimeError):
+    """The text-encoder child failed without a ValueError/FileNotFoundError of its own: it crashed,
+    was killed, or wrote nothing usable. The message has its exit status and last output lines."""
 
 
 def default_cache_dir() -> Path:
@@ -69,7 +95,7 @@ class EmbeddingCache:
     """
 
     def __init__(self, root, max_entries: int = 256, max_bytes: int = 1 << 30):
-        self.root = Path(root)
+        self.root = Path(root).expanduser().absolute()
         self.max_entries = max_entries
         self.max_bytes = max_bytes
 
@@ -159,10 +185,8 @@ def encode_prompts(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     _check_prompts(prompts)
-    encoder_path = Path(encoder_path)
-    if not encoder_path.is_file():
-        raise FileNotFoundError(f"text encoder file not found: {encoder_path}")
-    source = resolve_tokenizer(tokenizer_path, encoder_path)
+    encoder_path = check_file(encoder_path, "text encoder file").absolute()
+    source = _source(tokenizer_path, encoder_path)
 
     cache = EmbeddingCache(cache_dir if cache_dir is not None else default_cache_dir()) if use_cache else None
     key_fields = dict(
@@ -199,7 +223,11 @@ def _check_prompts(prompts) -> None:
 
 
 def _source(tokenizer, encoder_path) -> TokenizerSource:
-    return tokenizer if isinstance(tokenizer, TokenizerSource) else resolve_tokenizer(tokenizer, encoder_path)
+    """The tokenizer, its path made absolute (a child process runs in another folder)."""
+    source = (
+        tokenizer if isinstance(tokenizer, TokenizerSource) else resolve_tokenizer(tokenizer, encoder_path)
+    )
+    return TokenizerSource(source.kind, source.path.absolute())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,7 +284,7 @@ def encode_in_process(encoder_path, prompts, tokenizer=None, device="cpu", text_
 
 
 def _child_command(request_path: Path) -> list[str]:
-    return [sys.executable, "-c", _CHILD_BOOT, str(ROOT), str(request_path)]
+    return [sys.executable, "-c", _CHILD_BOOT, str(ROOT), str(request_path), str(os.getpid())]
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -271,13 +299,64 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
+    """Kill the child (it holds nothing to save) and reap it; a second interrupt cannot skip the kill."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.kill()
+    finally:
+        proc.wait()
+
+
+def _kill_children_in(work: Path) -> None:
+    """Kill and reap child processes running in `work` (a child whose Popen never returned)."""
+    import psutil
+
+    for child in psutil.Process().children():
         try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if Path(child.cwd()) == work:
+                child.kill()
+                child.wait(10)
+        except (psutil.Error, OSError):
+            pass
+
+
+def _lock(path: Path):
+    """An exclusive lock held while the returned file stays open; the kernel drops it when this
+    process dies, however it dies. None where unsupported (e.g. Windows) or when already held."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    f = open(path, "a+b")  # noqa: SIM115 - kept open to hold the lock
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
+
+
+def sweep_stale_work_dirs(tmp_dir=None, min_age_s: float = 60.0) -> list[Path]:
+    """Delete temp folders left by encoders whose parent process died without cleaning up (killed
+    with SIGKILL, or by a SIGTERM nobody handled). A folder counts as stale when nobody holds its
+    lock; folders younger than `min_age_s` without a lock file are being set up and stay."""
+    removed = []
+    for folder in Path(tmp_dir or tempfile.gettempdir()).glob(f"{WORK_PREFIX}*_*"):
+        try:
+            age = time.time() - folder.stat().st_mtime
+        except OSError:
+            continue
+        if not folder.is_dir() or (not (folder / LOCK_NAME).is_file() and age < min_age_s):
+            continue
+        held = _lock(folder / LOCK_NAME) if (folder / LOCK_NAME).is_file() else True
+        if held is None:
+            continue  # its owner is alive (or locking is unsupported)
+        shutil.rmtree(folder, ignore_errors=True)
+        if held is not True:
+            held.close()
+        removed.append(folder)
+    return removed
 
 
 def encode_in_subprocess(
@@ -290,18 +369,26 @@ def encode_in_subprocess(
 ):
     """Encode in a child Python that exits afterwards. -> (embeddings, the child's report). No cache.
 
-    A child that fails, is killed, times out or writes nothing raises here with its exit status and its
-    last output lines; an interrupt (KeyboardInterrupt) here stops the child. Temp files are removed.
+    The child gets every path absolute, deletes its request file (the prompts) as soon as it has
+    read it, and dies with this process (Linux; elsewhere it notices within a second). A child that
+    fails, is killed, times out or writes nothing raises EncoderProcessError or TimeoutError here
+    with its exit status and last output lines; its own ValueError/FileNotFoundError comes back as
+    such. On every way out of here (return, error, KeyboardInterrupt, SystemExit from a signal
+    handler) the child is killed and reaped and the temp folder deleted.
     """
     from safetensors import safe_open
 
     _check_prompts(prompts)
+    encoder_path = check_file(encoder_path, "text encoder file").absolute()
     source = _source(tokenizer, encoder_path)
-    work = Path(tempfile.mkdtemp(prefix="lingbot_t5_"))
+    sweep_stale_work_dirs()
+    work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}_")).absolute()
+    lock, proc = None, None
     try:
+        lock = _lock(work / LOCK_NAME)
         out, err, log_path = work / "embeddings.safetensors", work / "error.json", work / "child.log"
         request = dict(
-            encoder_path=str(Path(encoder_path).resolve()),
+            encoder_path=str(encoder_path),
             tokenizer=dict(kind=source.kind, path=str(source.path)),
             prompts=list(prompts),
             device=str(device),
@@ -310,17 +397,22 @@ def encode_in_subprocess(
             error=str(err),
             parent_pid=os.getpid(),
         )
-        (work / "request.json").write_text(json.dumps(request, ensure_ascii=False), encoding="utf-8")
+        request_path = work / "request.json"
+        request_path.write_text(json.dumps(request, ensure_ascii=False), encoding="utf-8")
         with open(log_path, "wb") as log:
             # cwd = the temp folder: `python -c` puts cwd on sys.path, and ComfyUI's own folder there
             # would let the pack's __init__ import ComfyUI into the child.
-            proc = subprocess.Popen(
-                _child_command(work / "request.json"),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=work,
-            )
+            try:
+                proc = subprocess.Popen(
+                    _child_command(request_path),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=work,
+                )
+            except BaseException:  # e.g. Ctrl-C after the fork but before Popen returned
+                _kill_children_in(work)
+                raise
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -329,15 +421,11 @@ def encode_in_subprocess(
                     f"text-encoder subprocess did not finish within {timeout:g} s and was stopped; "
                     f"its last output:\n{_tail(log_path)}"
                 ) from None
-            except BaseException:  # KeyboardInterrupt and the like: never leave the child running
-                _stop(proc)
-                raise
         if rc != 0:
-            if err.is_file():
-                info = json.loads(err.read_text(encoding="utf-8"))
-                exc = _REPORTED_ERRORS.get(info.get("type"))
-                if exc is not None:
-                    raise exc(info["message"])
+            info = _read_error(err)
+            exc = _REPORTED_ERRORS.get(info.get("type"))
+            if exc is not None and isinstance(info.get("message"), str):
+                raise exc(info["message"])
             if rc < 0:
                 name = signal.Signals(-rc).name if -rc in signal.valid_signals() else "?"
                 status = f"was killed by signal {-rc} ({name})"
@@ -345,27 +433,48 @@ def encode_in_subprocess(
                     status += ", e.g. by the out-of-memory killer"
             else:
                 status = f"exited with status {rc}"
-            raise RuntimeError(f"text-encoder subprocess {status}; its last output:\n{_tail(log_path)}")
+            raise EncoderProcessError(
+                f"text-encoder subprocess {status}; its last output:\n{_tail(log_path)}"
+            )
         if not out.is_file():
-            raise RuntimeError(
+            raise EncoderProcessError(
                 f"text-encoder subprocess exited with status 0 but wrote no embeddings ({out}); "
                 f"its last output:\n{_tail(log_path)}"
             )
-        with safe_open(str(out), framework="pt", device="cpu") as f:
-            report = json.loads((f.metadata() or {}).get("report", "{}"))
-            embs = [f.get_tensor(f"emb_{i}") for i in range(len(prompts))]
+        try:
+            with safe_open(str(out), framework="pt", device="cpu") as f:
+                report = json.loads((f.metadata() or {}).get("report", "{}"))
+                embs = [f.get_tensor(f"emb_{i}") for i in range(len(prompts))]
+        except Exception as e:  # noqa: BLE001 - any fault in our own child's output file
+            raise EncoderProcessError(f"text-encoder subprocess wrote unreadable embeddings ({e})") from None
         return embs, report
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            if proc is not None:
+                _stop(proc)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            if lock is not None:
+                lock.close()
+
+
+def _read_error(path: Path) -> dict:
+    """The child's {type, message} error report, {} when there is none or it is unreadable."""
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit if the parent goes away, so an abandoned child never keeps the weights in memory."""
+    """Exit if the parent goes away, so an abandoned child never keeps the weights in memory (the
+    fallback where the kernel cannot be asked to kill the child with its parent)."""
     import psutil
 
     def loop():
         while True:
-            time.sleep(1.0)
+            time.sleep(0.5)
             if os.getppid() != parent_pid or not psutil.pid_exists(parent_pid):
                 os._exit(70)
 
@@ -380,11 +489,14 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def child_main(request_path) -> int:
-    """Entry of the encoding child (`lingbot.py _encode-text <request.json>`): 0 on success."""
+def child_main(request) -> int:
+    """Entry of the encoding child that `encode_in_subprocess` starts (`_CHILD_BOOT`): the request
+    dict, or the path of its JSON file. 0 on success; on an error, 1 and the error written to the
+    request's `error` file."""
     from safetensors.torch import save_file
 
-    request = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    if not isinstance(request, dict):
+        request = json.loads(Path(request).read_text(encoding="utf-8"))
     _watch_parent(int(request["parent_pid"]))
     try:
         source = TokenizerSource(request["tokenizer"]["kind"], Path(request["tokenizer"]["path"]))
@@ -400,9 +512,11 @@ def child_main(request_path) -> int:
         return 0
     except Exception as e:
         traceback.print_exc()
+        # the parent re-raises these two kinds by name; subclasses (CheckpointError) go as their base
+        kind = next((name for name, cls in _REPORTED_ERRORS.items() if isinstance(e, cls)), type(e).__name__)
         try:
             Path(request["error"]).write_text(
-                json.dumps(dict(type=type(e).__name__, message=str(e)), ensure_ascii=False), encoding="utf-8"
+                json.dumps(dict(type=kind, message=str(e)), ensure_ascii=False), encoding="utf-8"
             )
         except OSError:
             pass

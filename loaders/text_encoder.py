@@ -27,7 +27,8 @@ from torch import nn
 
 from ..wan.config import T5_DTYPE, TEXT_LEN
 from ..wan.t5 import T5Encoder
-from .tensor_file import TensorFile
+from .interrupts import InterruptGuard
+from .tensor_file import CheckpointError, TensorFile, check_file, exists, name_list, read_safetensors_header
 
 SUPPORTED_FILES = (
     "upstream `models_t5_umt5-xxl-enc-bf16.pth`, or a ComfyUI umT5-XXL `.safetensors` "
@@ -112,17 +113,17 @@ def _plan(ckpt: TensorFile) -> _Plan:
             if k != "norm.weight" and k != "token_embedding.weight" and not _UP_BLOCK.fullmatch(k)
         )
         if unexpected:
-            raise ValueError(
-                f"{ckpt.path}: unexpected keys for an upstream umT5 encoder: {_some(unexpected)}"
+            raise CheckpointError(
+                f"{ckpt.path} is not an upstream umT5 encoder checkpoint: unexpected keys {name_list(unexpected)}"
             )
         return _Plan("upstream", {k: k for k in keys}, {})
 
     anchors = sorted((m for m in map(_HF_ANCHOR.search, keys) if m is not None), key=lambda m: m.string)
     if not anchors:
-        raise ValueError(
+        raise CheckpointError(
             f"{ckpt.path} is not a umT5 encoder checkpoint: expected upstream keys (token_embedding.weight, "
             f"blocks.N...) or Hugging Face T5 keys (shared.weight, encoder.block.N...); found "
-            f"{_some(sorted(keys))}. Supported: {SUPPORTED_FILES}"
+            f"{name_list(keys)}. Supported: {SUPPORTED_FILES}"
         )
     # ComfyUI saves the bare T5 keys; tolerate a prefix in front of `encoder.` all the same.
     prefix = anchors[0].string[: anchors[0].start(1)]
@@ -153,16 +154,11 @@ def _plan(ckpt: TensorFile) -> _Plan:
             k for k in unexpected if k.endswith((".weight_scale", ".comfy_quant", ".input_scale", ".absmax"))
         ]
         what = "quantization format" if quant else "keys"
-        raise ValueError(
-            f"{ckpt.path}: unsupported {what} for a umT5 encoder: {_some(sorted(unexpected))}. "
+        raise CheckpointError(
+            f"{ckpt.path}: unsupported {what} for a umT5 encoder: {name_list(unexpected)}. "
             f"Supported: {SUPPORTED_FILES}"
         )
     return _Plan("hf", sources, scales)
-
-
-def _some(items: list, n: int = 12) -> str:
-    shown = ", ".join(items[:n])
-    return shown + (f" ... ({len(items)} in all)" if len(items) > n else "")
 
 
 def _config(ckpt: TensorFile, plan: _Plan) -> dict:
@@ -175,7 +171,14 @@ def _config(ckpt: TensorFile, plan: _Plan) -> dict:
     missing = [n for n in needed if n not in plan.sources]
     if missing:
         names = missing if plan.layout == "upstream" else [hf_name(n) for n in missing]
-        raise ValueError(f"{ckpt.path}: missing keys {', '.join(names)} (not a complete umT5 encoder)")
+        raise CheckpointError(f"{ckpt.path}: missing keys {', '.join(names)} (not a complete umT5 encoder)")
+    for name in needed:
+        shape = ckpt.shape(plan.sources[name])
+        if len(shape) != 2 or min(shape) < 1:
+            raise CheckpointError(
+                f"{ckpt.path}: tensor {plan.sources[name]} has shape {list(shape)}, expected a non-empty 2-D "
+                "weight (rows, columns)"
+            )
     vocab, dim = ckpt.shape(plan.sources["token_embedding.weight"])
     num_buckets, num_heads = ckpt.shape(plan.sources["blocks.0.pos_embedding.embedding.weight"])
     layers = {int(_UP_BLOCK.fullmatch(n).group(1)) for n in plan.sources if n.startswith("blocks.")}
@@ -198,10 +201,10 @@ def read_encoder_config(path) -> dict:
 
 def _to_param(t: torch.Tensor, scale: torch.Tensor | None, dtype, device, where: str) -> nn.Parameter:
     if t.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{where}: unsupported dtype {t.dtype} (expected fp32, fp16, bf16 or fp8)")
+        raise CheckpointError(f"{where}: unsupported dtype {t.dtype} (expected fp32, fp16, bf16 or fp8)")
     if scale is not None:
         if scale.numel() != 1:
-            raise ValueError(f"{where}: expected a scalar scale_weight, got shape {tuple(scale.shape)}")
+            raise CheckpointError(f"{where}: expected a scalar scale_weight, got shape {tuple(scale.shape)}")
         # ComfyUI's scaled-fp8 Linear: weight cast to the compute dtype, times the scale in that dtype.
         t = t.to(device=device, dtype=dtype) * scale.reshape(()).to(device=device, dtype=dtype)
     else:
@@ -218,8 +221,11 @@ def load_text_encoder(path, device="cpu", dtype: torch.dtype = T5_DTYPE) -> T5En
     ckpt = TensorFile(path, "text encoder", SUPPORTED_FILES)
     plan = _plan(ckpt)
     config = _config(ckpt, plan)
-    with torch.device("meta"):
-        model = T5Encoder(**config)
+    try:
+        with torch.device("meta"):
+            model = T5Encoder(**config)
+    except (ValueError, TypeError, ArithmeticError) as e:
+        raise CheckpointError(f"{ckpt.path}: tensor shapes give no usable umT5 encoder ({e})") from None
     expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(plan.sources))
     extra = sorted(set(plan.sources) - set(expected))
@@ -228,25 +234,30 @@ def load_text_encoder(path, device="cpu", dtype: torch.dtype = T5_DTYPE) -> T5En
         return names if plan.layout == "upstream" else [hf_name(n) for n in names]
 
     if missing:
-        raise ValueError(
-            f"{ckpt.path}: missing keys for a {config['num_layers']}-layer umT5 encoder: {_some(file_names(missing))}"
+        raise CheckpointError(
+            f"{ckpt.path}: missing keys for a {config['num_layers']}-layer umT5 encoder: {name_list(file_names(missing))}"
         )
     if extra:
-        raise ValueError(f"{ckpt.path}: unexpected keys: {_some(file_names(extra))}")
+        raise CheckpointError(f"{ckpt.path}: unexpected keys: {name_list(file_names(extra))}")
 
     device = torch.device(device)
+    with InterruptGuard():  # Ctrl-C inside safetensors' read must stay a KeyboardInterrupt
+        _assign(model, ckpt, plan, expected, dtype, device)
+    return model.eval()
+
+
+def _assign(model, ckpt: TensorFile, plan: _Plan, expected: dict, dtype, device) -> None:
     for name, param in expected.items():
         key = plan.sources[name]
         shape = ckpt.shape(key)
         if shape != tuple(param.shape):
-            raise ValueError(
+            raise CheckpointError(
                 f"{ckpt.path}: tensor {key} has shape {list(shape)}, expected {list(param.shape)}"
             )
         scale = ckpt.get(plan.scales[name]) if name in plan.scales else None
         new = _to_param(ckpt.get(key), scale, dtype, device, f"{ckpt.path}: tensor {key}")
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, new)
-    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,21 +295,23 @@ class TokenizerSource:
 
 
 def _has_spiece_tensor(path: Path) -> bool:
-    if path.suffix.lower() != ".safetensors" or not path.is_file():
+    """Whether `path` is a safetensors file with a tokenizer inside; False for anything unreadable
+    (the encoder's own loading reports that)."""
+    if path.suffix.lower() != ".safetensors":
         return False
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return SPIECE_KEY in f.keys()
-    except Exception:
+        refs, _ = read_safetensors_header(path)
+    except (OSError, ValueError):
         return False
+    return SPIECE_KEY in refs
 
 
 def _in_folder(folder: Path) -> TokenizerSource | None:
-    if (folder / "tokenizer.json").is_file():
+    """The tokenizer file in a folder; one that is there but unreadable is returned all the same, so
+    that loading it names the problem."""
+    if exists(folder / "tokenizer.json"):
         return TokenizerSource("json", folder / "tokenizer.json")
-    if (folder / "spiece.model").is_file():
+    if exists(folder / "spiece.model"):
         return TokenizerSource("spiece", folder / "spiece.model")
     return None
 
@@ -313,20 +326,21 @@ def resolve_tokenizer(tokenizer_path=None, encoder_path=None) -> TokenizerSource
     """
     if tokenizer_path is not None:
         p = Path(tokenizer_path)
-        if not p.exists():
+        if not exists(p):
             raise FileNotFoundError(f"tokenizer not found: {p}")
         if p.is_dir():
             found = _in_folder(p)
             if found is None:
                 raise FileNotFoundError(f"tokenizer folder {p} holds neither tokenizer.json nor spiece.model")
             return found
+        check_file(p, "tokenizer file")
         if p.suffix.lower() == ".json":
             return TokenizerSource("json", p)
         if p.suffix.lower() == ".model":
             return TokenizerSource("spiece", p)
         if _has_spiece_tensor(p):
             return TokenizerSource("embedded", p)
-        raise ValueError(
+        raise CheckpointError(
             f"{p}: not a tokenizer (expected a folder with tokenizer.json or spiece.model, one of those "
             f"files, or a .safetensors holding a '{SPIECE_KEY}' tensor)"
         )
@@ -370,40 +384,42 @@ class UMT5Tokenizer:
     def __init__(self, source: TokenizerSource, text_len: int = TEXT_LEN):
         self.source = source
         self.text_len = text_len
+        check_file(source.path, "tokenizer file")
         if source.kind == "json":
             from tokenizers import Tokenizer
 
             try:
                 tok = Tokenizer.from_file(str(source.path))
             except Exception as e:
-                raise ValueError(f"{source.path}: not a readable tokenizer.json ({e})") from e
+                raise CheckpointError(f"{source.path}: not a readable tokenizer.json ({e})") from e
             tok.no_padding()
             # Like transformers: the limit counts the special tokens the post-processor adds.
             tok.enable_truncation(max_length=text_len)
             pad = _pad_token_name(source.path.parent)
             self.pad_id = tok.token_to_id(pad)
             if self.pad_id is None:
-                raise ValueError(f"{source.path}: pad token {pad!r} is not in the vocabulary")
+                raise CheckpointError(f"{source.path}: pad token {pad!r} is not in the vocabulary")
             self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
             self._tok = tok
         else:
             import sentencepiece
 
             if source.kind == "embedded":
-                from safetensors import safe_open
-
-                with safe_open(str(source.path), framework="pt", device="cpu") as f:
-                    proto = f.get_tensor(SPIECE_KEY).numpy().tobytes()
-                args = dict(model_proto=proto)
+                ckpt = TensorFile(source.path, "text encoder", SUPPORTED_FILES)
+                if SPIECE_KEY not in ckpt.shapes:
+                    raise CheckpointError(
+                        f"{source.path}: holds no '{SPIECE_KEY}' tensor (embedded tokenizer)"
+                    )
+                args = dict(model_proto=ckpt.get(SPIECE_KEY).numpy().tobytes())
             else:
                 args = dict(model_file=str(source.path))
             try:
                 sp = sentencepiece.SentencePieceProcessor(**args)
             except Exception as e:
-                raise ValueError(f"{source.path}: not a readable sentencepiece model ({e})") from e
+                raise CheckpointError(f"{source.path}: not a readable sentencepiece model ({e})") from e
             self.pad_id, self.eos_id = sp.pad_id(), sp.eos_id()
             if self.pad_id < 0 or self.eos_id < 0:
-                raise ValueError(f"{source.path}: sentencepiece model defines no pad or eos id")
+                raise CheckpointError(f"{source.path}: sentencepiece model defines no pad or eos id")
             self.vocab_size = sp.get_piece_size()
             self._sp = sp
 
@@ -428,7 +444,7 @@ class UMT5Tokenizer:
     def check_fits(self, vocab_rows: int, encoder_path=None) -> None:
         """ValueError if this tokenizer can emit ids beyond the encoder's embedding table."""
         if self.vocab_size > vocab_rows:
-            raise ValueError(
+            raise CheckpointError(
                 f"tokenizer {self.source.path} has {self.vocab_size} tokens but the text encoder "
                 f"{encoder_path or ''} embeds only {vocab_rows}: this tokenizer does not belong to this encoder "
                 "(umT5-XXL needs the google/umt5-xxl tokenizer, 256384 rows)"

@@ -54,7 +54,7 @@ def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int =
 
 
 def read_mp4_info(path) -> dict:
-    """Frame count, size and frame rate of an MP4, by decoding it (tests and the CLI summary)."""
+    """Frame count, size and frame rate of an MP4, by decoding it (the tests check outputs with it)."""
     import av
 
     with av.open(str(path)) as container:

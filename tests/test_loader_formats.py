@@ -363,7 +363,7 @@ def test_index_disagreeing_with_shards(tmp_path, ckpts):
 def test_corrupt_pt(tmp_path, ckpts):
     d = copy(ckpts["nf4_pt"], tmp_path / "e")
     (d / "model.pt").write_bytes(b"PK\x03\x04 not really a zip")
-    with pytest.raises(F.CheckpointError, match=r"model\.pt: cannot be read with torch\.load\(weights_only=True, mmap=True\)"):  # fmt: skip
+    with pytest.raises(F.CheckpointError, match=r"model\.pt: could not read it as a torch state dict with torch\.load\(weights_only=True, mmap=True\) \(PytorchStreamReader failed reading zip archive: not a ZIP archive\); supported"):  # fmt: skip
         F.detect_expert_format(d)
 
 
@@ -381,8 +381,6 @@ def test_pt_is_never_unpickled(tmp_path, ckpts):
     d = copy(ckpts["nf4_pt"], tmp_path / "e")
     marker = tmp_path / "pwned"
     torch.save({"blocks.0.modulation": _Payload(marker)}, d / "model.pt")
-    with pytest.raises(
-        F.CheckpointError, match=r"model\.pt: cannot be read with torch\.load\(weights_only=True"
-    ):
+    with pytest.raises(F.CheckpointError, match=r"model\.pt: refused: .* would run code from the file"):
         F.detect_expert_format(d)
     assert not marker.exists()

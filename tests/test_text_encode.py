@@ -2,7 +2,9 @@
 
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -288,3 +290,115 @@ def test_parent_memory_does_not_hold_the_weights(tmp_path):
     assert rss_anon() - base < 0.2 * size  # ... and were released
     assert report["rss_anon_after"] - report["rss_anon_before"] < 0.2 * size
     assert all(torch.equal(a, b) for a, b in zip(embs, embs_in, strict=True))
+
+
+def test_relative_paths_work_in_the_child(ckpt, tmp_path, monkeypatch):
+    """The child runs in its own temp folder: every path it gets must already be absolute."""
+    work = tmp_path / "cwd"
+    (work / "valid").mkdir(parents=True)
+    write_tokenizer_json(work / "valid" / "tokenizer")
+    write_pth(work / "valid" / "enc.pth", upstream_state_dict(TINY, seed=3))
+    monkeypatch.chdir(work)
+    rel = dict(tokenizer_path="valid/tokenizer", cache_dir="cache", text_len=TEXT_LEN)
+    embs = tx.encode_prompts("valid/enc.pth", PROMPTS, mode="subprocess", **rel)
+    assert len(list((work / "cache").glob("*.safetensors"))) == len(PROMPTS)
+    again = tx.encode_prompts("valid/enc.pth", PROMPTS, mode="inprocess", use_cache=False, **rel)
+    assert all(torch.equal(a, b) for a, b in zip(embs, again, strict=True))
+
+
+# The parent of these tests: a process like the CLI, encoding with the real child.
+PARENT = r"""
+import signal, sys
+sys.path.insert(0, sys.argv[1])
+from lingbot import load_pack
+load_pack()
+from lingbot_world.loaders import text_encode as tx
+
+def on_sigterm(signum, frame):
+    if sys.argv[3] == "systemexit":
+        sys.exit(143)
+    raise KeyboardInterrupt
+
+if sys.argv[3] != "default":
+    signal.signal(signal.SIGTERM, on_sigterm)
+print("encoding", flush=True)
+tx.encode_in_subprocess(sys.argv[2], ["a secret prompt"], None, text_len=48)
+print("finished", flush=True)
+"""
+
+
+def _start_parent(ckpt, tmp_path, on_sigterm):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(Path(tx.ROOT)), str(ckpt), on_sigterm],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)},
+    )  # fmt: skip
+    assert parent.stdout.readline().strip() == "encoding"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        kids = psutil.Process(parent.pid).children()
+        if kids:
+            return parent, kids[0], tmp
+        time.sleep(0.01)
+    parent.kill()
+    raise AssertionError("the encoder child did not start")
+
+
+def _gone(proc: psutil.Process, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("on_sigterm", ["systemexit", "interrupt"])
+def test_sigterm_handler_in_the_parent_kills_the_child_and_cleans_up(ckpt, tmp_path, on_sigterm):
+    """The CLI turns SIGTERM into SystemExit(143) or KeyboardInterrupt in its main thread: the
+    child must be dead and the temp folder (request with the prompts, outputs) gone when it exits."""
+    parent, child, tmp = _start_parent(ckpt, tmp_path, on_sigterm)
+    parent.send_signal(signal.SIGTERM)
+    _, err = parent.communicate(timeout=60)
+    # an uncaught KeyboardInterrupt ends Python by SIGINT
+    assert parent.returncode == (143 if on_sigterm == "systemexit" else -signal.SIGINT), err[-2000:]
+    assert _gone(child, 0.5)  # reaped by the parent before it exited
+    assert not list(tmp.iterdir())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_child_dies_with_a_killed_parent_and_its_folder_is_swept(ckpt, tmp_path):
+    """SIGKILL (or an unhandled SIGTERM) leaves the parent no chance to clean up: the kernel kills
+    the child with it, the child has already deleted its request, and the next encode sweeps the
+    folder."""
+    parent, child, tmp = _start_parent(ckpt, tmp_path, "default")
+    (work,) = tmp.glob(f"{tx.WORK_PREFIX}{parent.pid}_*")
+    deadline = time.monotonic() + 30
+    while (work / "request.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (work / "request.json").exists()  # the prompts left the disk once the child read them
+    parent.send_signal(signal.SIGTERM)
+    parent.communicate(timeout=60)
+    assert parent.returncode == -signal.SIGTERM
+    assert _gone(child, 1.0)
+    assert tx.sweep_stale_work_dirs(tmp) == [work] and not work.exists()
+
+
+def test_sweep_leaves_folders_of_live_encoders_alone(ckpt, tmp_path, monkeypatch):
+    seen = {}
+
+    def sweep_during_encode(request):
+        seen["swept"] = tx.sweep_stale_work_dirs(request.parent.parent, min_age_s=0)
+        seen["work"] = request.parent
+        return [sys.executable, "-c", "pass"]
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tx, "_child_command", sweep_during_encode)
+    with pytest.raises(tx.EncoderProcessError, match="wrote no embeddings"):
+        tx.encode_in_subprocess(ckpt, PROMPTS, None, text_len=TEXT_LEN)
+    assert seen["swept"] == [] and seen["work"].parent == tmp_path
+    assert not seen["work"].exists()

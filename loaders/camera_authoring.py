@@ -11,10 +11,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..wan import camera_presets
 from ..wan.camera import validate_intrinsics, validate_poses
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, PresetPath, build_preset
 from ..wan.config import INTRINSICS_SIZE
 from .camera_files import CAMERA_FILES, CameraInput
+
+__all__ = ["DEFAULT_HFOV_DEG", "PRESET_HELP", "arrays_camera", "camera_path_arrays", "describe_path",
+           "preset_camera", "save_camera_dir"]  # fmt: skip
+# The preset grammar, for `lingbot.py camera --help`: the module documentation of wan.camera_presets.
+PRESET_HELP = camera_presets.__doc__
 
 
 def preset_camera(
@@ -66,8 +72,21 @@ def save_camera_dir(folder, poses: np.ndarray, intrinsics: np.ndarray, overwrite
 
 def camera_path_arrays(camera: CameraInput, frame_num: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(poses, intrinsics) the sampler would use for `frame_num` (None: the camera's default length):
-    a pose file cut to the generated frames, an action string's synthetic poses."""
-    poses, _, frames = camera.plan(frame_num)
+    a pose file cut to the generated frames, an action string's synthetic poses (its own length)."""
+    poses, _, frames = camera.plan(None if camera.action_string is not None else frame_num)
     if not camera.act2cam:
         poses = poses[:frames]
     return np.asarray(poses), np.asarray(camera.intrinsics)
+
+
+def describe_path(poses: np.ndarray, intrinsics: np.ndarray) -> str:
+    """One line: frames, path length, net turn and focal range, for the CLI."""
+    poses = np.asarray(poses, dtype=np.float64)
+    rel = np.linalg.inv(poses[0]) @ poses[-1]
+    steps = np.linalg.norm(np.diff(poses[:, :3, 3], axis=0), axis=1)
+    turn = np.degrees(np.arccos(np.clip((np.trace(rel[:3, :3]) - 1) / 2, -1.0, 1.0)))
+    fx = np.asarray(intrinsics)[:, 0]
+    return (
+        f"{len(poses)} poses: path length {steps.sum():.3g} units, end {np.round(rel[:3, 3], 3).tolist()} from "
+        f"the start, net rotation {turn:.1f} deg, fx {fx.min():.1f}..{fx.max():.1f} px at 832 wide"
+    )

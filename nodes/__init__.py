@@ -1,6 +1,6 @@
 """ComfyUI adapters: the only code in the pack that imports comfy.* (through nodes/memory.py)."""
 
-from .camera import LingBotCamera
+from .camera import LingBotCamera, LingBotCameraPreset, LingBotCameraPreview
 from .models import LingBotExpertsLoader, LingBotLoRA
 from .sampler import LingBotSampler
 from .text import LingBotTextEncode
@@ -11,6 +11,8 @@ _NODES = {
     "LingBotLoRA": (LingBotLoRA, "LingBot LoRA"),
     "LingBotTextEncode": (LingBotTextEncode, "LingBot Text Encode (umT5)"),
     "LingBotCamera": (LingBotCamera, "LingBot Camera Path"),
+    "LingBotCameraPreset": (LingBotCameraPreset, "LingBot Camera Preset"),
+    "LingBotCameraPreview": (LingBotCameraPreview, "LingBot Camera Path Preview"),
     "LingBotVAELoader": (LingBotVAELoader, "LingBot VAE Loader (Wan2.1)"),
     "LingBotSampler": (LingBotSampler, "LingBot-World Sampler"),
     "LingBotVAEDecode": (LingBotVAEDecode, "LingBot VAE Decode"),

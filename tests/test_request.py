@@ -345,8 +345,8 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     with Image.open(shipped_example / "image.jpg") as img:  # what core Load Image gives
         image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
     (out,) = nodes.LingBotSampler().sample(
-        experts, text, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
-        camera=camera,
+        experts, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
+        camera=camera, text=text,
     )  # fmt: skip
     assert out["samples"].shape == saved["latent_tensor"].shape == (1, 16, 3, 6, 14)
     assert torch.equal(out["samples"], saved["latent_tensor"])

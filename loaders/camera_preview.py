@@ -135,7 +135,7 @@ def render_path(poses, intrinsics, title: str = "", size: tuple = (WIDTH, HEIGHT
         draw.line([x, by + 12, x, by + 16], fill=INK)
         draw.text((x - 8, by + 18), str(round(k * (n - 1) / 4)), fill=INK, font=font)
     draw.text((10, by), "frame", fill=INK, font=font)
-    return np.asarray(img, dtype=np.uint8)
+    return np.array(img, dtype=np.uint8)
 
 
 def save_png(image: np.ndarray, path) -> None:

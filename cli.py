@@ -2,6 +2,7 @@
 
     python lingbot.py generate --ckpt_dir CKPT --image in.jpg --prompt "..." --action_path examples/00
     python lingbot.py demo          # tiny random checkpoints, CPU, no downloads
+    python lingbot.py camera --preset "orbit left 30 + dolly in 1 40f ease" --save DIR --preview path.png
 
 Option names follow upstream's generate.py (and the NF4 repack's generate_prequant.py); both
 spellings are accepted where they differ.
@@ -19,7 +20,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .loaders import camera_files, checkpoints, demo_assets, monitor, text_encode, video
+from .loaders import (
+    camera_authoring,
+    camera_files,
+    camera_preview,
+    checkpoints,
+    demo_assets,
+    monitor,
+    text_encode,
+    video,
+)
 from .loaders.experts import ExpertSwitcher
 from .loaders.latent_file import save_comfy_latent
 from .loaders.lora import LoraSpec, parse_lora_spec
@@ -60,6 +70,7 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument(
         "--allow_act2cam", action="store_true", help="drive the Cam model from wasd/ijkl_action.npy"
     )
+    add_preset_args(p, "--camera_preset")
     p.add_argument("--size", type=parse_size, default=DEFAULTS.max_area, help="max pixel area, e.g. 480*832")
     p.add_argument("--frame_num", type=int, default=None, help=f"4n+1 frames (default {DEFAULTS.frame_num})")
     p.add_argument(
@@ -121,10 +132,53 @@ def add_generate_args(p: argparse.ArgumentParser):
     )  # fmt: skip
 
 
+def add_preset_args(p: argparse.ArgumentParser, flag: str):
+    p.add_argument(
+        flag,
+        dest="camera_preset",
+        metavar="TEXT",
+        help="camera path from a preset, e.g. 'pan left 30 40f ease, dolly in 1 40f' (see `camera --help`)",
+    )
+    p.add_argument("--camera_speed", type=float, default=1.0, help="scale every preset amount")
+    p.add_argument("--camera_fov", type=float, default=camera_authoring.DEFAULT_HFOV_DEG,
+                   help="preset's horizontal field of view in degrees")  # fmt: skip
+
+
+def parse_hw(text: str) -> tuple[int, int]:
+    try:
+        h, w = (int(v) for v in text.replace("x", "*").split("*"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--size: expected HEIGHT*WIDTH, e.g. 480*832, got {text!r}"
+        ) from None
+    return h, w
+
+
+def add_camera_args(p: argparse.ArgumentParser):
+    add_preset_args(p, "--preset")
+    p.add_argument("--action_path", type=Path, help="preview a pose folder (poses.npy + intrinsics.npy)")
+    p.add_argument("--action_string", help="with --action_path: preview act2cam keys, e.g. 'w-10,l-8'")
+    p.add_argument(
+        "--frames", type=int, default=None, help="4n+1 frames (preset default: 81 or its segments')"
+    )
+    p.add_argument(
+        "--size", type=parse_hw, default=(480, 832), help="HEIGHT*WIDTH the preset's intrinsics are for"
+    )
+    p.add_argument(
+        "--save", type=Path, help="write the preset as poses.npy + intrinsics.npy into this folder"
+    )
+    p.add_argument("--preview", type=Path, help="write a PNG of the path (top-down and side view)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --save/--preview files")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lingbot.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_args(sub.add_parser("generate", help="image + prompt + camera path -> MP4"))
+    add_camera_args(sub.add_parser(
+        "camera", help="camera preset or pose folder -> poses.npy + intrinsics.npy and/or a preview PNG",
+        description=camera_authoring.PRESET_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ))  # fmt: skip
     demo = sub.add_parser("demo", help="tiny random checkpoints on the CPU, shipped example, short MP4")
     demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
     demo.add_argument("--output", type=Path, default=None)
@@ -188,9 +242,19 @@ def default_output(stem: str) -> Path:
     return path
 
 
-def camera_input(args) -> camera_files.CameraInput | None:
+def camera_input(args, image_hw=None) -> camera_files.CameraInput | None:
     """--action_path (+ --action_string / --allow_act2cam), as upstream: keys drive the Cam model
-    with synthetic poses and take their intrinsics from the folder."""
+    with synthetic poses and take their intrinsics from the folder. Or --camera_preset, its focal length
+    meant for the video size --size gives the image (H, W)."""
+    if getattr(args, "camera_preset", None):
+        if args.action_path or args.action_string or args.allow_act2cam:
+            raise ValueError(
+                "--camera_preset replaces --action_path/--action_string/--allow_act2cam; give one"
+            )
+        size = i2v.latent_size(*image_hw, args.size)[2:] if image_hw is not None else (480, 832)
+        return camera_authoring.preset_camera(
+            args.camera_preset, args.frame_num, args.camera_speed, size, args.camera_fov
+        )[0]
     if (args.action_string or args.allow_act2cam) and not args.action_path:
         raise ValueError(
             "--action_string/--allow_act2cam need --action_path for intrinsics.npy (as upstream)"
@@ -235,7 +299,7 @@ def run_generate(args) -> int:
     check_vae(files.vae)
     tile = vae_tile(args.vae_tile)
     image = load_image(args.image)
-    cam_input = camera_input(args)
+    cam_input = camera_input(args, image.shape[1:])
     settings = SampleConfig(
         sample_shift=args.sample_shift, sample_steps=args.steps, boundary=args.boundary,
         guide_scale=guide_pair(args.guide_scale), sample_fps=args.fps, max_area=args.size,
@@ -308,6 +372,36 @@ def run_demo(args) -> int:
     return run_generate(build_parser().parse_args(argv))
 
 
+def run_camera(args) -> int:
+    """`camera`: a preset (saved and/or drawn) or a pose folder / act2cam keys (drawn)."""
+    if bool(args.camera_preset) == bool(args.action_path):
+        raise ValueError("camera: give --preset TEXT or --action_path DIR")
+    if args.action_string and not args.action_path:
+        raise ValueError("--action_string needs --action_path (for intrinsics.npy, as upstream)")
+    for path in (args.save and args.save / "poses.npy", args.preview):
+        if path and path.exists() and not args.overwrite:
+            raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
+    if args.camera_preset:
+        cam, built = camera_authoring.preset_camera(
+            args.camera_preset, args.frames, args.camera_speed, args.size, args.camera_fov
+        )
+        title = f"preset: {built.description}"
+        if args.save:
+            camera_authoring.save_camera_dir(args.save, built.poses, built.intrinsics, args.overwrite)
+            print(f"wrote {args.save}/poses.npy and intrinsics.npy ({built.frame_num} poses)")
+    else:
+        if args.save:
+            raise ValueError("--save writes a preset; a pose folder is already saved")
+        cam = camera_files.CameraInput.from_dir(args.action_path, args.action_string)
+        title = f"{args.action_path}" + (f" keys {args.action_string}" if args.action_string else "")
+    poses, intrinsics = camera_authoring.camera_path_arrays(cam, args.frames)
+    print(camera_authoring.describe_path(poses, intrinsics))
+    if args.preview:
+        camera_preview.save_png(camera_preview.render_path(poses, intrinsics, title=title), args.preview)
+        print(f"wrote {args.preview}")
+    return 0
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, handled like Ctrl-C: models released, children stopped, no partial file."""
 
@@ -337,6 +431,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "demo":
             return run_demo(args)
+        if args.command == "camera":
+            return run_camera(args)
         return run_generate(args)
     except Terminated:
         print("terminated: models released, no output written", file=sys.stderr)

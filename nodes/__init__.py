@@ -1,6 +1,6 @@
 """ComfyUI adapters: the only code in the pack that imports comfy.* (through nodes/memory.py)."""
 
-from .camera import LingBotCamera
+from .camera import LingBotCamera, LingBotCameraPreset, LingBotCameraPreview
 from .models import LingBotExpertsLoader, LingBotLoRA
 from .sampler import LingBotSampler
 from .speed import LingBotSpeed
@@ -12,6 +12,8 @@ _NODES = {
     "LingBotLoRA": (LingBotLoRA, "LingBot LoRA"),
     "LingBotTextEncode": (LingBotTextEncode, "LingBot Text Encode (umT5)"),
     "LingBotCamera": (LingBotCamera, "LingBot Camera Path"),
+    "LingBotCameraPreset": (LingBotCameraPreset, "LingBot Camera Preset"),
+    "LingBotCameraPreview": (LingBotCameraPreview, "LingBot Camera Path Preview"),
     "LingBotVAELoader": (LingBotVAELoader, "LingBot VAE Loader (Wan2.1)"),
     "LingBotSampler": (LingBotSampler, "LingBot-World Sampler"),
     "LingBotSpeed": (LingBotSpeed, "LingBot Speed Options"),

@@ -1,4 +1,5 @@
-"""Camera node: a pose folder (poses.npy + intrinsics.npy) or act2cam keys -> raw arrays.
+"""Camera nodes: a pose folder (poses.npy + intrinsics.npy), act2cam keys or a preset -> raw arrays;
+a preview picture of any of them.
 
 The sampler packs them into the DiT's camera tensor once the video size and the experts' control
 type are known (`CameraInput.pack`).
@@ -8,9 +9,14 @@ import logging
 from pathlib import Path
 
 import folder_paths
+import torch
 
+from ..loaders.camera_authoring import camera_path_arrays, preset_camera, save_camera_dir
 from ..loaders.camera_files import CameraInput
+from ..loaders.camera_preview import render_path
+from ..wan import i2v
 from ..wan.actions import parse_action_string
+from ..wan.camera_presets import DEFAULT_HFOV_DEG, allot_frames, parse_preset
 from .models import CATEGORY
 
 CAMERA = "LINGBOT_CAMERA"
@@ -100,3 +106,130 @@ class LingBotCamera:
         action_string = action_string.strip() or None
         cam = CameraInput.from_dir(folder, action_string, act2cam_from_files)
         return (cam, cam.frames())
+
+
+def preset_save_dir(text: str) -> Path:
+    """Where the preset node writes poses.npy + intrinsics.npy: an absolute path as is, a relative one
+    under ComfyUI's input folder (where the camera-path node looks)."""
+    path = Path(text.strip()).expanduser()
+    return path if path.is_absolute() else Path(folder_paths.get_input_directory()) / path
+
+
+class LingBotCameraPreset:
+    DESCRIPTION = (
+        "Camera path from a short description: segments like 'pan left 30 40f ease, dolly in 1 40f' "
+        "(pan/tilt/roll in degrees, dolly/truck/pedestal in scene units, orbit around a point, zoom, "
+        "static; '+' runs motions together). Same output as LingBot Camera Path; can also save the "
+        "path as a poses.npy + intrinsics.npy folder."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "build"
+    RETURN_TYPES = (CAMERA, "INT")
+    RETURN_NAMES = ("camera", "frame_num")
+    OUTPUT_TOOLTIPS = (
+        "Camera poses (OpenCV camera-to-world) and intrinsics, as a pose folder would give them.",
+        "Frames of the path (4n+1): wire it into the sampler's frame_num.",
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "preset": ("STRING", {
+                    "multiline": True, "default": "orbit left 30 around 2 + dolly in 0.5 40f ease, pan right 15 40f ease",
+                    "tooltip": "Segments separated by ',' or ';', each '<motion> [direction] [amount] [+ more "
+                    "motions] [Nf] [easing]'. Motions: pan left|right DEG, tilt up|down DEG, roll left|right "
+                    "DEG, dolly in|out UNITS, truck left|right UNITS, pedestal up|down UNITS, orbit left|right "
+                    "DEG [around DIST], zoom in|out FACTOR, static. Easing: linear, ease-in, ease-out, "
+                    "ease-in-out (ease). Segments without Nf share the frames left.",
+                }),
+                "frame_num": ("INT", {
+                    "default": 0, "min": 0, "max": 1601, "step": 1,
+                    "tooltip": "Frames of the path, 4n+1. 0 = 81 when a segment has no frame count, else the "
+                    "segments' total rounded up to 4n+1 (the last pose is held).",
+                }),
+                "speed": ("FLOAT", {
+                    "default": 1.0, "min": 0.0, "max": 10.0, "step": 0.05,
+                    "tooltip": "Scales every amount (degrees, units, zoom). The model sees translations "
+                    "normalised per path (as upstream), so speed mostly changes the rotations.",
+                }),
+                "fov": ("FLOAT", {
+                    "default": DEFAULT_HFOV_DEG, "min": 10.0, "max": 150.0, "step": 1.0,
+                    "tooltip": "Horizontal field of view in degrees, for the intrinsics.",
+                }),
+                "width": ("INT", {
+                    "default": 832, "min": 16, "max": 4096, "step": 16,
+                    "tooltip": "Video width the intrinsics are meant for (square pixels at width x height); "
+                    "stored at 480x832 as upstream's intrinsics.npy.",
+                }),
+                "height": ("INT", {
+                    "default": 480, "min": 16, "max": 4096, "step": 16,
+                    "tooltip": "Video height the intrinsics are meant for.",
+                }),
+            },
+            "optional": {
+                "save_folder": ("STRING", {
+                    "default": "",
+                    "tooltip": "Also write poses.npy + intrinsics.npy here (relative = under ComfyUI's input "
+                    "folder, where LingBot Camera Path finds it). Existing files there are replaced. Empty = "
+                    "don't save.",
+                }),
+            },
+        }  # fmt: skip
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, preset=None, frame_num=None):
+        """Checked when the prompt is queued: the preset parses and its frames fit."""
+        if isinstance(preset, str):
+            try:
+                segments = parse_preset(preset)
+                if isinstance(frame_num, int):
+                    allot_frames(segments, frame_num or None, preset)
+            except ValueError as e:
+                return str(e)
+        return True
+
+    def build(self, preset, frame_num, speed, fov, width, height, save_folder=""):
+        cam, path = preset_camera(preset, frame_num or None, speed, (height, width), fov)
+        if save_folder.strip():
+            folder = save_camera_dir(
+                preset_save_dir(save_folder), path.poses, path.intrinsics, overwrite=True
+            )
+            log.info("LingBot-World camera preset saved to %s", folder)
+        return (cam, path.frame_num)
+
+
+class LingBotCameraPreview:
+    DESCRIPTION = (
+        "Draws a camera path (a pose folder, act2cam keys or a preset) before sampling: top-down and side "
+        "views of the camera centres with frustum glyphs, coloured by time, a dot every 4 frames."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "render"
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("preview",)
+    OUTPUT_TOOLTIPS = ("The picture [1, H, W, 3]; feed Preview Image or Save Image.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "camera": (CAMERA, {"tooltip": "From LingBot Camera Path or LingBot Camera Preset."}),
+                "frame_num": ("INT", {
+                    "default": 81, "min": 1, "max": 1601, "step": 4,
+                    "tooltip": "Frames the sampler will generate (4n+1); a pose file is drawn up to there. Wire "
+                    "the camera node's frame_num. Action strings and presets set their own length.",
+                }),
+            },
+        }  # fmt: skip
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, frame_num=None):
+        if frame_num is not None:
+            return i2v.frame_num_issue(frame_num) or True
+        return True
+
+    def render(self, camera, frame_num):
+        poses, intrinsics = camera_path_arrays(camera, frame_num)
+        image = render_path(poses, intrinsics, title=str(camera.path))
+        return (torch.from_numpy(image).float().div(255.0)[None],)

@@ -137,7 +137,10 @@ class LingBotExpertsLoader:
                 "high_noise_expert": (choices, {
                     "default": _default(choices, "high"),
                     "tooltip": "High-noise expert from models/diffusion_models: a folder such as "
-                    "lingbot-world-base-cam-nf4/high_noise_model_bnb_nf4, or one .safetensors file.",
+                    "lingbot-world-base-cam-nf4/high_noise_model_bnb_nf4, or one .safetensors file. The NF4 "
+                    "folders come from huggingface.co/cahlen/lingbot-world-base-cam-nf4 (download the "
+                    "high_noise_model_bnb_nf4/ and low_noise_model_bnb_nf4/ folders whole into "
+                    "models/diffusion_models/lingbot-world-base-cam-nf4/).",
                 }),
                 "low_noise_expert": (choices, {
                     "default": _default(choices, "low"),

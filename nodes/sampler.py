@@ -13,8 +13,8 @@ from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, EXPERTS
 from .speed import SPEED
-from .text import TEXT
-from .vae import VAE
+from .text import TEXT, sampler_text
+from .vae import VAE, sampler_vae
 
 DEFAULTS = SampleConfig()
 SIZING = ("max_area", "explicit")
@@ -62,8 +62,9 @@ class LingBotSampler:
         return {
             "required": {
                 "experts": (EXPERTS, {"tooltip": "From LingBot Experts Loader."}),
-                "text": (TEXT, {"tooltip": "From LingBot Text Encode."}),
-                "vae": (VAE, {"tooltip": "From LingBot VAE Loader (encodes the first frame)."}),
+                "vae": (f"{VAE},VAE", {
+                    "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
+                }),
                 "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
                 "sizing": (list(SIZING), {
                     "default": "max_area",
@@ -120,6 +121,13 @@ class LingBotSampler:
             "optional": {
                 "camera": (CAMERA, {"tooltip": "From LingBot Camera. Without it the experts run with no camera input."}),
                 "speed": (SPEED, {"tooltip": "From LingBot Speed. Without it: upstream's exact computation."}),
+                "text": (TEXT, {"tooltip": "From LingBot Text Encode (or use positive + negative instead)."}),
+                "positive": ("CONDITIONING", {
+                    "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP (Load CLIP, type wan).",
+                }),
+                "negative": ("CONDITIONING", {
+                    "tooltip": "With positive: CLIP Text Encode of the negative prompt (upstream's default is in the README).",
+                }),
             },
         }  # fmt: skip
 
@@ -135,8 +143,10 @@ class LingBotSampler:
             return i2v.frame_num_issue(frame_num) or True
         return True
 
-    def sample(self, experts, text, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
-               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None, speed=None):  # fmt: skip
+    def sample(self, experts, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
+               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None, speed=None, text=None,
+               positive=None, negative=None):  # fmt: skip
+        text, vae = sampler_text(text, positive, negative), sampler_vae(vae)
         img = image_to_input(image)
         settings = SampleConfig(
             sample_shift=shift, sample_steps=steps, boundary=boundary,
@@ -176,5 +186,5 @@ class LingBotSampler:
             "LingBot-World sampling, %d frames at %dx%d:\n%s\n%s",
             frame_num, size[3], size[2], phases.table(), stats.summary(),
         )  # fmt: skip
-        samples = vae.model.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
+        samples = vae.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
         return ({"samples": samples},)

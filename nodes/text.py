@@ -1,5 +1,6 @@
 """Text encode node: umT5-XXL in a child process (default) or here, then freed; embeddings on the CPU."""
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,12 +9,13 @@ import torch
 
 from ..loaders.text_encode import MODES, encode_prompts
 from ..loaders.text_encoder import read_encoder_config
-from ..wan.config import NEGATIVE_PROMPT, T5_DTYPE
+from ..wan.config import NEGATIVE_PROMPT, T5_DTYPE, TEXT_LEN
 from ..wan.t5 import T5Encoder
 from . import memory
 from .models import CATEGORY, resolve_model
 
 TEXT = "LINGBOT_TEXT"
+log = logging.getLogger("LingBot-World")
 DEVICES = ("auto", "cpu", "gpu")
 
 
@@ -97,3 +99,59 @@ class LingBotTextEncode:
         )
         memory.after_release()
         return (TextEmbeds(context, context_null),)
+
+
+def conditioning_to_context(conditioning, name: str) -> torch.Tensor:
+    """Core CONDITIONING (CLIPTextEncode with a `wan` CLIP) -> upstream's form, bf16 CPU [tokens, dim].
+
+    ComfyUI's umT5 pads every prompt to 512 tokens and zeroes the positions after the end token;
+    upstream keeps each prompt's own tokens (end token included) and lets the DiT pad. So the rows
+    are cut at the attention mask when ComfyUI passes one, else after the last non-zero row, and at
+    most upstream's 512 tokens are kept.
+    """
+    if not isinstance(conditioning, list) or not conditioning:
+        raise ValueError(
+            f"{name}: expected CONDITIONING from CLIP Text Encode, got {type(conditioning).__name__}"
+        )
+    if len(conditioning) != 1:
+        raise ValueError(
+            f"{name}: expected one conditioning entry (a single CLIP Text Encode with a wan CLIP), got "
+            f"{len(conditioning)}; combined or area conditioning is not supported"
+        )
+    cond, extra = conditioning[0][0], conditioning[0][1] if len(conditioning[0]) > 1 else {}
+    if not isinstance(cond, torch.Tensor) or cond.dim() != 3 or cond.shape[0] != 1:
+        shape = list(cond.shape) if isinstance(cond, torch.Tensor) else type(cond).__name__
+        raise ValueError(f"{name}: expected conditioning [1, tokens, dim] from CLIP Text Encode, got {shape}")
+    rows = cond[0]
+    mask = extra.get("attention_mask") if isinstance(extra, dict) else None
+    if isinstance(mask, torch.Tensor) and mask.numel() == rows.shape[0]:
+        keep = int(mask.reshape(-1).gt(0).sum())
+    else:
+        nonzero = rows.ne(0).any(dim=-1).nonzero()
+        keep = int(nonzero[-1]) + 1 if len(nonzero) else 0
+    if keep == 0:
+        raise ValueError(
+            f"{name}: the conditioning is all zeros (ConditioningZeroOut?); encode a prompt instead"
+        )
+    if keep > TEXT_LEN:
+        log.warning("%s: %d tokens, upstream keeps %d; the rest is dropped", name, keep, TEXT_LEN)
+        keep = TEXT_LEN
+    return rows[:keep].to("cpu", T5_DTYPE).contiguous()
+
+
+def sampler_text(text, positive, negative) -> TextEmbeds:
+    """The sampler's text: our LINGBOT_TEXT, or core positive + negative CONDITIONING."""
+    if positive is None and negative is None:
+        if text is None:
+            raise ValueError(
+                "text: connect LingBot Text Encode to 'text', or CLIP Text Encode (wan CLIP) to positive and negative"
+            )
+        return text
+    if text is not None:
+        raise ValueError("text: connect either 'text' or positive/negative, not both")
+    if positive is None or negative is None:
+        missing = "negative" if negative is None else "positive"
+        raise ValueError(f"{missing}: positive and negative CONDITIONING go together; connect both")
+    return TextEmbeds(
+        conditioning_to_context(positive, "positive"), conditioning_to_context(negative, "negative")
+    )

@@ -11,7 +11,7 @@ import folder_paths
 import torch
 
 from ..loaders.vae import load_vae
-from ..wan.vae import SPATIAL_STRIDE, TEMPORAL_STRIDE, WanVAE
+from ..wan.vae import SPATIAL_STRIDE, TEMPORAL_STRIDE, WanVAE, normalize_latent, to_comfy_latent
 from . import memory
 from .models import CATEGORY, resolve_model
 
@@ -33,6 +33,9 @@ class VAEHandle:
         with memory.on_device(self.model, self.device, work):
             return self.model.encode(video).to("cpu")
 
+    def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.model.to_comfy_latent(latent)
+
     def decode(self, latent: torch.Tensor, tile) -> torch.Tensor:
         """Normalised [16, T, h, w] -> video [3, F, H, W] in [-1, 1] on the intermediate device."""
         z_t, h, w = latent.shape[1:]
@@ -40,6 +43,34 @@ class VAEHandle:
         work = self.model.decode_bytes_per_latent_pixel() * h * w + out  # whole-frame decode
         with memory.on_device(self.model, self.device, work):
             return self.model.decode(latent, tile=tile, out_device=memory.intermediate_device())
+
+
+class CoreVAE:
+    """A core `VAE` (VAELoader with wan_2.1_vae.safetensors) behind the interface the sampler uses.
+    ComfyUI keeps Wan latents un-normalised; the pipeline works on upstream's normalised ones."""
+
+    def __init__(self, vae):
+        channels, dim = getattr(vae, "latent_channels", None), getattr(vae, "latent_dim", None)
+        ratio = getattr(vae, "upscale_index_formula", None)
+        if channels != 16 or dim != 3 or ratio != (TEMPORAL_STRIDE, SPATIAL_STRIDE, SPATIAL_STRIDE):
+            raise ValueError(
+                f"vae: expected the Wan2.1 video VAE (16 latent channels, 4x8x8 stride, e.g. wan_2.1_vae.safetensors), "
+                f"got a VAE with {channels} channels, {dim}-D latents, stride {ratio}"
+            )
+        self.vae = vae
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        """[3, F, H, W] in [-1, 1] -> normalised latent [16, T, h, w] fp32 (CPU), as `WanVAE.encode`."""
+        pixels = video.float().add(1.0).div(2.0).permute(1, 2, 3, 0).cpu()  # [F, H, W, 3] in 0..1
+        return normalize_latent(self.vae.encode(pixels)[0].float().cpu())
+
+    def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        return to_comfy_latent(latent)
+
+
+def sampler_vae(vae):
+    """The sampler's `vae` input: our LINGBOT_VAE as is, a core VAE wrapped."""
+    return vae if isinstance(vae, VAEHandle) else CoreVAE(vae)
 
 
 class LingBotVAELoader:

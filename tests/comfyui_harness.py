@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+PACK_FOLDER = "My LingBot-World pack (any name)"  # the pack's folder name under custom_nodes
+TESTS = Path(__file__).resolve().parent
 
 
 def free_port() -> int:
@@ -179,7 +181,8 @@ def build_models(root: Path, pack_root: Path) -> Path:
 
     nodes = root / "custom_nodes"
     nodes.mkdir()
-    (nodes / "My LingBot-World pack (any name)").symlink_to(pack_root, target_is_directory=True)
+    (nodes / PACK_FOLDER).symlink_to(pack_root, target_is_directory=True)
+    (nodes / "lingbot_test_tiny_clip").symlink_to(TESTS / "comfyui_tiny_clip", target_is_directory=True)
     yaml = root / "extra_model_paths.yaml"
     yaml.write_text(
         "lingbot_test:\n"
@@ -190,3 +193,15 @@ def build_models(root: Path, pack_root: Path) -> Path:
         "  vae: models/vae\n"
     )
     return yaml
+
+
+def full_size_vae(root: Path) -> Path:
+    """A random Wan2.1 VAE at its real size (core Load VAE builds only that), once per server root."""
+    path = root / "models" / "vae" / "wan_2.1_vae_full_random.safetensors"
+    if not path.is_file():
+        from lingbot_world.wan.vae import WAN21_VAE_CONFIG, WanVAE, init_random_
+        from safetensors.torch import save_file
+
+        vae = init_random_(WanVAE(**WAN21_VAE_CONFIG), seed=5)
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in vae.state_dict().items()}, path)
+    return path

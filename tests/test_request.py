@@ -360,8 +360,8 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     (speed,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.0, 2, 0)
     speed = replace(speed, cache_threshold=(0.5, 2.0))  # the node's one threshold; the CLI's pair form
     (out,) = nodes.LingBotSampler().sample(
-        experts, text, vae, image, "max_area", "64*112", 832, 480, 9, 10, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
-        camera=camera, speed=speed,
+        experts, vae, image, "max_area", "64*112", 832, 480, 9, 10, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
+        camera=camera, speed=speed, text=text,
     )  # fmt: skip
     assert out["samples"].shape == saved["latent_tensor"].shape == (1, 16, 3, 6, 14)
     assert torch.equal(out["samples"], saved["latent_tensor"])

@@ -285,6 +285,30 @@ class Decoder3d(nn.Module):
         yield self.head[2](x, cache, pre=_norm_silu(self.head[0]))
 
 
+def latent_stats(device, mean=LATENT_MEAN, std=LATENT_STD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (mean, std), float32 [z, 1, 1, 1] on `device` (the Wan2.1 VAE's by default)."""
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1, 1)  # noqa: E731
+    return as_tensor(mean), as_tensor(std)
+
+
+def normalize_latent(mu: torch.Tensor, mean=LATENT_MEAN, std=LATENT_STD) -> torch.Tensor:
+    """Encoder mean -> upstream's normalised latent, (mu - mean) * (1 / std) in fp32 as upstream rounds it."""
+    m, s = latent_stats(mu.device, mean, std)
+    return ((mu - m) * (1.0 / s)).float()
+
+
+def to_comfy_latent(latent: torch.Tensor, mean=LATENT_MEAN, std=LATENT_STD) -> torch.Tensor:
+    """Normalised [16, T, h, w] -> ComfyUI's un-normalised Wan2.1 LATENT samples [1, 16, T, h, w]."""
+    m, s = latent_stats(latent.device, mean, std)
+    return (latent.float() * s + m)[None]
+
+
+def from_comfy_latent(samples: torch.Tensor, mean=LATENT_MEAN, std=LATENT_STD) -> torch.Tensor:
+    """ComfyUI's un-normalised [16, T, h, w] -> normalised, as `WanVAE.decode` takes it."""
+    m, s = latent_stats(samples.device, mean, std)
+    return (samples.float() - m) / s
+
+
 class WanVAE(nn.Module):
     """Upstream `WanVAE_` with Wan2_1_VAE's encode/decode (normalised latents, clamped output)."""
 
@@ -324,9 +348,7 @@ class WanVAE(nn.Module):
 
     def latent_stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel (mean, std), float32 [z, 1, 1, 1] on `device`: normalised latent = (mu - mean) / std."""
-        mean = torch.tensor(self.latent_mean, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-        std = torch.tensor(self.latent_std, dtype=torch.float32, device=device).view(-1, 1, 1, 1)
-        return mean, std
+        return latent_stats(device, self.latent_mean, self.latent_std)
 
     def _stats(self, device):
         """(mean, 1 / std): upstream scales by the reciprocal, which rounds differently from dividing."""
@@ -334,14 +356,10 @@ class WanVAE(nn.Module):
         return mean, 1.0 / std
 
     def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
-        """Normalised [16, T, h, w] -> ComfyUI's un-normalised Wan2.1 LATENT samples [1, 16, T, h, w]."""
-        mean, std = self.latent_stats(latent.device)
-        return (latent.float() * std + mean)[None]
+        return to_comfy_latent(latent, self.latent_mean, self.latent_std)
 
     def from_comfy_latent(self, samples: torch.Tensor) -> torch.Tensor:
-        """ComfyUI's un-normalised [16, T, h, w] -> normalised, as `decode` takes it."""
-        mean, std = self.latent_stats(samples.device)
-        return (samples.float() - mean) / std
+        return from_comfy_latent(samples, self.latent_mean, self.latent_std)
 
     @torch.no_grad()
     def encode(self, video: torch.Tensor) -> torch.Tensor:
@@ -356,8 +374,7 @@ class WanVAE(nn.Module):
         del cache, x
         mu = self.conv1(torch.cat(chunks, dim=2))[:, : self.z_dim]
         del chunks
-        mean, inv_std = self._stats(mu.device)
-        return ((mu[0] - mean) * inv_std).float()
+        return normalize_latent(mu[0], self.latent_mean, self.latent_std)
 
     @torch.no_grad()
     def decode(

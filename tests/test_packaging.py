@@ -63,6 +63,7 @@ def test_dependencies_leave_torch_to_comfyui():
     lines = (ROOT / "requirements.txt").read_text().splitlines()
     listed = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
     assert names(project["dependencies"]) == names(listed)
+    assert {"safetensors", "bitsandbytes", "tokenizers", "av"} <= names(listed)
     assert not names(project["dependencies"]) & {"torch", "torchvision", "torchaudio"}
     assert names(project["optional-dependencies"]["cli"]) == {"torch"}
 

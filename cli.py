@@ -172,7 +172,7 @@ def add_camera_args(p: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lingbot.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_args(sub.add_parser("generate", help="image + prompt + camera path -> MP4"))
     add_camera_args(sub.add_parser(

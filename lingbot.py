@@ -3,6 +3,8 @@
 The pack is a ComfyUI custom-node folder whose name is the user's choice, and ComfyUI loads it by
 path, so its modules import each other relatively. This file loads the folder as the package
 `lingbot_world` (tests and child processes use the same function) and hands over to its CLI.
+Installed with pip (`pip install ".[cli]"`), the same CLI is the `lingbot-world` command; this file
+ships inside that package too, because the text encoder's child process boots through it.
 """
 
 import importlib.util
@@ -31,9 +33,14 @@ def load_pack(name: str = PACKAGE):
 
 
 def main(argv=None) -> int:
-    load_pack()
-    from lingbot_world.cli import main as cli_main
-
+    """Also the `lingbot-world` console script: the heavy imports (torch) happen in here, so Ctrl-C
+    while they load ends as an interrupt (exit 130), not a traceback."""
+    try:
+        load_pack()
+        from lingbot_world.cli import main as cli_main
+    except KeyboardInterrupt:
+        print("interrupted while starting", file=sys.stderr)
+        return 130
     return cli_main(argv)
 
 

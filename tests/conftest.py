@@ -30,3 +30,36 @@ def all_examples() -> list[Path]:
     if shared.is_dir():
         return sorted(p for p in shared.iterdir() if (p / "poses.npy").is_file())
     return [ROOT / "examples" / "00"]
+
+
+# The default run (`addopts` in pyproject.toml) leaves out tests marked slow or gpu; say which, so
+# nothing goes unrun silently.
+_LEFT_OUT: list = []
+_HOW = {
+    "slow": "python -m pytest -q -m slow (CI runs them)",
+    "gpu": "python -m pytest -q -m gpu on a CUDA machine",
+}
+
+
+def pytest_deselected(items):
+    for item in items:  # those left out by a -m naming their marker (not by -k)
+        markexpr = item.config.option.markexpr or ""
+        if any(item.get_closest_marker(m) and m in markexpr for m in _HOW):
+            _LEFT_OUT.append(item)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _LEFT_OUT:
+        return
+    by_marker: dict[str, dict[str, list[str]]] = {}
+    for item in _LEFT_OUT:
+        marker = next(m for m in _HOW if item.get_closest_marker(m))
+        path, _, name = item.nodeid.partition("::")
+        by_marker.setdefault(marker, {}).setdefault(path, []).append(name)
+    tr = terminalreporter
+    tr.section("not run in this session (deselected by -m)")
+    for marker, files in by_marker.items():
+        count = sum(len(v) for v in files.values())
+        tr.write_line(f"{count} {marker} test(s); to run them: {_HOW[marker]}")
+        for path, names in files.items():
+            tr.write_line(f"  {path}: {', '.join(names)}")

@@ -84,6 +84,34 @@ def saved_video(server, entry) -> list:
     return read_video(server.output_dir / videos[0]["subfolder"] / videos[0]["filename"])
 
 
+def test_pyproject_reads_with_comfyui_config_parser():
+    """ComfyUI's own pyproject reader (comfy_config, the registry's field names) sees the real values."""
+    if not (Path(COMFYUI_DIR) / "comfy_config" / "config_parser.py").is_file():
+        pytest.skip(f"{COMFYUI_DIR} has no comfy_config/config_parser.py (ComfyUI older than the registry)")
+    code = (
+        "import json, sys; from comfy_config import config_parser; "
+        "print(config_parser.extract_node_configuration(sys.argv[1]).model_dump_json())"
+    )
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    out = subprocess.run(
+        [python, "-c", code, str(ROOT)], cwd=COMFYUI_DIR, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads(out.stdout.strip().splitlines()[-1])
+    project, comfy = config["project"], config["tool_comfy"]
+    assert project["name"] == "lingbot-world-nf4" and project["version"].count(".") == 2
+    assert project["license"]["text"] == "Apache-2.0"
+    assert project["urls"]["repository"] == "https://github.com/lingbot-world-nf4/ComfyUI-LingBot-World-NF4"
+    assert "bitsandbytes>=0.48" in project["dependencies"]
+    assert not [d for d in project["dependencies"] if d.startswith("torch")]
+    assert comfy["publisher_id"] == "lingbot-world-nf4"
+    assert comfy["display_name"] == "LingBot-World NF4"
+    assert comfy["icon"].startswith(
+        "https://raw.githubusercontent.com/lingbot-world-nf4/ComfyUI-LingBot-World-NF4/main/"
+    )
+    assert (ROOT / comfy["icon"].rsplit("/main/", 1)[1]).is_file()
+
+
 def test_pack_registers_nodes_under_any_folder_name(server):
     info = server.object_info
     assert NODE_IDS <= info.keys(), f"missing: {NODE_IDS - info.keys()}\n{server.log()}"

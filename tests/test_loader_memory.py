@@ -111,6 +111,7 @@ def measured(tmp_path_factory):
     return json.loads(line[0][7:])
 
 
+@pytest.mark.slow
 def test_nf4_load_ram_bounded_by_one_tensor(measured):
     m = measured["nf4"]
     assert m["file"] > 250 * MiB  # a checkpoint of a few hundred MB
@@ -119,6 +120,7 @@ def test_nf4_load_ram_bounded_by_one_tensor(measured):
     assert extra <= m["largest"] + SLACK, f"transient {extra / MiB:.1f} MiB above the model"
 
 
+@pytest.mark.slow
 def test_streaming_quantization_ram_bounded(measured):
     m = measured["quantize"]
     assert m["model"] < m["file"] / 3  # NF4 result of a bf16 file
@@ -127,10 +129,12 @@ def test_streaming_quantization_ram_bounded(measured):
     assert extra <= m["largest"] + SLACK, f"transient {extra / MiB:.1f} MiB above the model"
 
 
+@pytest.mark.slow
 def test_measure_catches_a_whole_file_load(measured):
     assert measured["read_file"]["growth"] > 0.9 * measured["nf4"]["file"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["injected", "corrupt_shard"])
 def test_error_mid_load_frees_everything(measured, case):
     m = measured[case]

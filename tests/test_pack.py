@@ -4,8 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,18 +38,3 @@ def test_layers_import_one_way():
             text = path.read_text()
             for name in banned:
                 assert f"from {name}" not in text and f"import {name}" not in text, (path, name)
-
-
-def test_packaging_metadata():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    comfy = meta["tool"]["comfy"]
-    assert comfy["PublisherId"] and comfy["DisplayName"]
-    lines = (ROOT / "requirements.txt").read_text().splitlines()
-    names = {
-        line.split(">")[0].split("=")[0].strip()
-        for line in lines
-        if line.strip() and not line.startswith("#")
-    }
-    assert "safetensors" in names and "bitsandbytes" in names
-    assert not names & {"torch", "torchvision"}  # ComfyUI's environment owns torch

@@ -258,6 +258,7 @@ def _peak_rss_anon_during(fn):
     return out, sampler.peak
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc RssAnon")
 def test_parent_memory_does_not_hold_the_weights(tmp_path):
     """A ~270 MB fp16 checkpoint: the subprocess leaves the parent's anonymous RSS flat; the in-process

@@ -120,7 +120,6 @@ class LingBotSampler:
             },
             "optional": {
                 "camera": (CAMERA, {"tooltip": "From LingBot Camera. Without it the experts run with no camera input."}),
-                "speed": (SPEED, {"tooltip": "From LingBot Speed. Without it: upstream's exact computation."}),
                 "text": (TEXT, {"tooltip": "From LingBot Text Encode (or use positive + negative instead)."}),
                 "positive": ("CONDITIONING", {
                     "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP (Load CLIP, type wan).",
@@ -128,6 +127,7 @@ class LingBotSampler:
                 "negative": ("CONDITIONING", {
                     "tooltip": "With positive: CLIP Text Encode of the negative prompt (upstream's default is in the README).",
                 }),
+                "speed": (SPEED, {"tooltip": "From LingBot Speed. Without it: upstream's exact computation."}),
             },
         }  # fmt: skip
 
@@ -144,8 +144,8 @@ class LingBotSampler:
         return True
 
     def sample(self, experts, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
-               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None, speed=None, text=None,
-               positive=None, negative=None):  # fmt: skip
+               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None, text=None,
+               positive=None, negative=None, speed=None):  # fmt: skip
         text, vae = sampler_text(text, positive, negative), sampler_vae(vae)
         img = image_to_input(image)
         settings = SampleConfig(

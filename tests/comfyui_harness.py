@@ -20,6 +20,10 @@ import torch
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 PACK_FOLDER = "My LingBot-World pack (any name)"  # the pack's folder name under custom_nodes
+FAST_LORAS = (
+    "wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors",
+    "wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors",
+)  # what the fast-preset workflow names
 TESTS = Path(__file__).resolve().parent
 
 
@@ -179,6 +183,22 @@ def build_models(root: Path, pack_root: Path) -> Path:
         models / "vae" / "wan_2.1_vae.safetensors",
     )
 
+    # The fast-preset workflow's step-distill LoRAs, as tiny random kohya-style files for the tiny experts.
+    from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
+    from lingbot_world.loaders.formats import meta_model
+    from lingbot_world.wan.lora import lora_targets
+
+    (models / "loras").mkdir(parents=True)
+    targets = lora_targets(meta_model(resolve_checkpoint_dir(ckpt).config))
+    for seed, name in enumerate(FAST_LORAS):
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for target in ("blocks.0.self_attn.q", "blocks.1.ffn.2"):
+            out_f, in_f = targets[target].weight
+            tensors[f"diffusion_model.{target}.lora_down.weight"] = torch.randn(2, in_f, generator=g)
+            tensors[f"diffusion_model.{target}.lora_up.weight"] = torch.randn(out_f, 2, generator=g) * 0.1
+        save_file(tensors, models / "loras" / name)
+
     nodes = root / "custom_nodes"
     nodes.mkdir()
     (nodes / PACK_FOLDER).symlink_to(pack_root, target_is_directory=True)
@@ -191,6 +211,7 @@ def build_models(root: Path, pack_root: Path) -> Path:
         "  diffusion_models: models/diffusion_models\n"
         "  text_encoders: models/text_encoders\n"
         "  vae: models/vae\n"
+        "  loras: models/loras\n"
     )
     return yaml
 

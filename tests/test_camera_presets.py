@@ -285,7 +285,7 @@ def test_workflows_carry_models_and_fit_a_1600x1000_window(path):
             assert name in entries and name in listed, (path.name, node["type"], name)
             m = entries[name]
             assert m["url"].startswith("https://huggingface.co/") and m["url"].endswith("/" + name)
-            assert m["directory"] in ("text_encoders", "vae", "diffusion_models")
+            assert m["directory"] in ("text_encoders", "vae", "diffusion_models", "loras")
     assert "cahlen/lingbot-world-base-cam-nf4" in wf["extra"]["info"]["description"]
     # visible area of a 1600x1000 window: minus the side bar (~50 px) and the menu/tabs (~90 px)
     scale, (ox, oy) = wf["extra"]["ds"]["scale"], wf["extra"]["ds"]["offset"]

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / "example_workflows" / "lingbot_world_nf4_i2v.json"
 PRESET_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_camera_preset.json"
 NATIVE_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_native_text_vae.json"
+FAST_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_fast_preset.json"
 API_WORKFLOW = ROOT / "workflows" / "api" / "lingbot_world_nf4_i2v_api.json"
 NODE_IDS = {
     "LingBotExpertsLoader",
@@ -31,6 +32,8 @@ NODE_IDS = {
     "LingBotVAELoader",
     "LingBotSampler",
     "LingBotVAEDecode",
+    "LingBotLoRA",
+    "LingBotSpeed",
 }
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 
@@ -129,7 +132,9 @@ def test_pack_registers_nodes_under_any_folder_name(server):
     assert "umt5_xxl_fp16.safetensors" in info["LingBotTextEncode"]["input"]["required"]["text_encoder"][0]
 
 
-@pytest.mark.parametrize("workflow", [WORKFLOW, PRESET_WORKFLOW, NATIVE_WORKFLOW], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "workflow", [WORKFLOW, PRESET_WORKFLOW, NATIVE_WORKFLOW, FAST_WORKFLOW], ids=lambda p: p.stem
+)
 def test_workflow_files_are_consistent(server, workflow):
     ui = json.loads(workflow.read_text())
     assert ui["version"] == 0.4
@@ -229,6 +234,37 @@ def test_interrupt_then_run_again(server):
 
     again = server.queue_prompt(tiny_prompt(server, seed=8))
     assert server.wait_history(again, timeout=60)["status"]["status_str"] == "success", server.log()
+
+
+def test_fast_preset_runs_with_loras_and_one_forward_a_step(server):
+    """The shipped fast preset (a step-distill LoRA per expert, guide scale 1) end to end: one transformer
+    pass per step, the LoRAs read and attached, a 9-frame video."""
+    prompt = tiny_prompt(server, FAST_WORKFLOW, steps=6)
+    sampler = next(n["inputs"] for n in prompt.values() if n["class_type"] == "LingBotSampler")
+    assert (sampler["guide_scale_low"], sampler["guide_scale_high"]) == (1.0, 1.0)
+    assert sum(n["class_type"] == "LingBotLoRA" for n in prompt.values()) == 2
+    entry = server.wait_history(server.queue_prompt(prompt), timeout=150)
+    assert len(saved_video(server, entry)) == 9
+    assert "transformer forwards: 6 run, 0 skipped" in server.log(400), server.log(400)
+
+
+def test_speed_node_with_comfy_attention_and_step_cache(server):
+    """LingBot Speed wired into the sampler: ComfyUI's own attention kernel and EasyCache run, and the cache
+    skips forwards (reported in the log)."""
+    prompt = tiny_prompt(server, steps=12)
+    sampler_id = next(k for k, n in prompt.items() if n["class_type"] == "LingBotSampler")
+    prompt["90"] = {
+        "class_type": "LingBotSpeed",
+        "inputs": {"attention": "comfy", "compile": False, "step_cache": "easycache", "cache_threshold": 5.0,
+                   "cache_keep_first": 2, "cache_keep_last": 0},
+    }  # fmt: skip
+    prompt[sampler_id]["inputs"]["speed"] = ["90", 0]
+    entry = server.wait_history(server.queue_prompt(prompt), timeout=150)
+    assert len(saved_video(server, entry)) == 9
+    log = server.log(400)
+    skipped = [int(line.split(" skipped by the step cache")[0].rsplit(", ", 1)[-1]) for line in log.splitlines()
+               if "skipped by the step cache" in line]  # fmt: skip
+    assert skipped and skipped[-1] > 0, log
 
 
 def test_templates_menu_lists_and_serves_every_workflow(server):

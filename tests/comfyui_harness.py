@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
-PACK_FOLDER = "My LingBot-World pack (any name)"  # the pack's folder name under custom_nodes
+# The pack's folder name under custom_nodes: not a Python identifier (hyphens, a dot), so the pack must
+# import itself relatively. No spaces: ComfyUI serves the Templates route under the folder name through
+# aiohttp, which matches a space-quoted prefix against the unquoted path and answers 404 (test_pack.py
+# covers loading from a folder name with spaces).
+PACK_FOLDER = "LingBot-World-NF4_pack.v2"
 FAST_LORAS = (
     "wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors",
     "wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors",
@@ -127,6 +131,23 @@ class Server:
             return 200, self.request("/prompt", {"prompt": prompt, "client_id": "lingbot-test"})
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read() or b"{}")
+
+    def validate(self, prompt: dict) -> tuple[int, dict]:
+        """Submit for ComfyUI's validation only: the queued run is dropped (or interrupted, if it already
+        started) and waited out, so full-size shipped workflows never occupy the CPU test server."""
+        status, reply = self.submit(prompt)
+        prompt_id = reply.get("prompt_id") if status == 200 else None
+        if prompt_id:
+            self.request("/queue", {"delete": [prompt_id]})
+            self.request("/interrupt", {"prompt_id": prompt_id})
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                queue = self.get("/queue")
+                if not any(item[1] == prompt_id for item in queue["queue_running"] + queue["queue_pending"]):
+                    break
+                self.request("/interrupt", {"prompt_id": prompt_id})
+                time.sleep(0.2)
+        return status, reply
 
     def queue_prompt(self, prompt: dict) -> str:
         status, reply = self.submit(prompt)

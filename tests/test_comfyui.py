@@ -152,7 +152,7 @@ def test_workflow_files_are_consistent(server, workflow):
         assert slot["link"] == link_id and kind in (
             declared.split(",") if isinstance(declared, str) else [kind]
         )
-    status, reply = server.submit(ui_to_api(ui, server.object_info))
+    status, reply = server.validate(ui_to_api(ui, server.object_info))
     assert status == 200 and not reply.get("node_errors"), reply  # validates as shipped
     if workflow != WORKFLOW:
         return
@@ -299,7 +299,10 @@ def test_preset_workflow_previews_the_path_and_runs(server):
     assert len(previews) == 1 and previews[0]["type"] == "temp", entry["outputs"]
     from PIL import Image
 
-    with Image.open(server.root / "temp" / previews[0]["subfolder"] / previews[0]["filename"]) as img:
+    # ComfyUI puts its temp files in a "temp" folder inside --temp-directory
+    with Image.open(
+        server.root / "temp" / "temp" / previews[0]["subfolder"] / previews[0]["filename"]
+    ) as img:
         assert img.size == (1024, 576) and len(img.getcolors(1 << 16) or [0] * 300) > 50
     assert (server.input_dir / "saved_preset" / "poses.npy").is_file()
     # the camera-path node reads the saved folder back

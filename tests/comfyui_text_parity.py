@@ -8,12 +8,14 @@ needs neither comfy.sd nor the server.
     python comfyui_text_parity.py PACK_ROOT TEXT_ENCODER_FILE PROMPT [PROMPT ...]
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 sys.path.insert(0, ".")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(HERE))
 
 
 def main(pack_root: str, encoder: str, prompts: list) -> dict:
@@ -32,12 +34,13 @@ def main(pack_root: str, encoder: str, prompts: list) -> dict:
     from lingbot_world.nodes.text import conditioning_to_context
 
     sd = comfy.utils.load_torch_file(encoder, safe_load=True)
-    blocks = {int(k.split(".")[2]) for k in sd if k.startswith("encoder.block.")}
-    d_ff, d_model = sd["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape
-    heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
-    inner = sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0]
-    config = {"d_model": d_model, "d_ff": d_ff, "num_layers": len(blocks), "num_heads": heads,
-              "d_kv": inner // heads, "vocab_size": sd["shared.weight"].shape[0]}  # fmt: skip
+    # the test node package's plain-Python part, loaded by path: its __init__ imports comfy.sd
+    spec = importlib.util.spec_from_file_location(
+        "_tiny_clip_shapes", HERE / "comfyui_tiny_clip" / "shapes.py"
+    )
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
+    config = shapes.umt5_config(sd)
     model = comfy.text_encoders.wan.te()(device="cpu", dtype=torch.float32,
                                          model_options={"umt5xxl_model_config": config})  # fmt: skip
     missing, _ = model.load_sd(sd)

@@ -17,6 +17,20 @@ def _find_examples() -> Path | None:
     return None
 
 
+@pytest.fixture
+def embedding_cache(tmp_path, monkeypatch):
+    """A fresh text-embedding cache per test, so no test reads another's encodings."""
+    monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="session")
+def nf4_ckpt(tmp_path_factory) -> Path:
+    """The demo's tiny NF4 checkpoint folder (experts, umT5, tokenizer, VAE), built once per session."""
+    from lingbot_world.loaders.demo_assets import ensure_demo_checkpoint
+
+    return ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
 @pytest.fixture(scope="session")
 def shipped_example() -> Path:
     """examples/00 shipped in the repo (image, prompt, poses, intrinsics, action files)."""

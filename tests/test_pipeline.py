@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from lingbot_world import cli
-from lingbot_world.loaders import checkpoints, demo_assets, synthetic
+from lingbot_world.loaders import checkpoints, synthetic
 from lingbot_world.loaders.experts import ExpertSwitcher
 from lingbot_world.loaders.text_encode import encode_prompts
 from lingbot_world.loaders.vae import load_vae
@@ -18,15 +18,7 @@ from lingbot_world.wan import i2v, pipeline, schedulers
 from lingbot_world.wan.config import SampleConfig
 from lingbot_world.wan.speed import SpeedOptions, SpeedStats
 
-
-@pytest.fixture(autouse=True)
-def embedding_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="session")
-def nf4_ckpt(tmp_path_factory):
-    return demo_assets.ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+pytestmark = pytest.mark.usefixtures("embedding_cache")
 
 
 @pytest.fixture(scope="session")

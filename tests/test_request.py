@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from lingbot_world import cli
-from lingbot_world.loaders import checkpoints, demo_assets, request
+from lingbot_world.loaders import checkpoints, request
 from lingbot_world.loaders.camera_files import CameraInput
 from lingbot_world.loaders.experts import ExpertSwitcher
 from lingbot_world.loaders.lora import LoraSpec
@@ -30,14 +30,12 @@ PLAIN = replace(CAM, control_type=None)
 DEFAULTS = SampleConfig()
 
 
-@pytest.fixture(autouse=True)
-def embedding_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("embedding_cache")
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return demo_assets.ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+@pytest.fixture
+def ckpt(nf4_ckpt):
+    return nf4_ckpt
 
 
 def plan(settings=DEFAULTS, **kw):

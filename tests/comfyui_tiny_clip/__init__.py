@@ -15,15 +15,12 @@ import comfy.text_encoders.wan
 import comfy.utils
 import folder_paths
 
+from .shapes import umt5_config
+
 
 def tiny_wan_clip(path: str):
     sd = comfy.utils.load_torch_file(path, safe_load=True)
-    blocks = {int(k.split(".")[2]) for k in sd if k.startswith("encoder.block.")}
-    d_ff, d_model = sd["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape
-    heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
-    inner = sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0]
-    config = {"d_model": d_model, "d_ff": d_ff, "num_layers": len(blocks), "num_heads": heads,
-              "d_kv": inner // heads, "vocab_size": sd["shared.weight"].shape[0]}  # fmt: skip
+    config = umt5_config(sd)
     target = types.SimpleNamespace(
         params={}, clip=comfy.text_encoders.wan.te(), tokenizer=comfy.text_encoders.wan.WanT5Tokenizer
     )

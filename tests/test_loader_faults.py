@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import unreadable
 from lingbot_world.loaders import checkpoints, stream, tensor_file
 from lingbot_world.loaders import formats as F
 from lingbot_world.loaders import synthetic as S
@@ -191,17 +192,6 @@ for name, call in calls.items():
 """
 
 
-def _without_root_read_override():
-    """Run as root but without the capabilities that let root read any file (CAP_DAC_OVERRIDE,
-    CAP_DAC_READ_SEARCH), dropped from the bounding set before exec."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP failed")
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="chmod 000 / capabilities as on Linux")
 def test_unreadable_files_say_permission_denied(tmp_path, files):
     """chmod 000 files, loaded by a process that may not read them."""
@@ -219,7 +209,7 @@ def test_unreadable_files_say_permission_denied(tmp_path, files):
         run = subprocess.run(
             [sys.executable, "-c", PERMISSION_CHILD, str(ROOT), str(root)],
             capture_output=True, text=True, timeout=300,
-            preexec_fn=_without_root_read_override if os.geteuid() == 0 else None,
+            preexec_fn=unreadable.preexec(),
         )  # fmt: skip
     except subprocess.SubprocessError as e:
         pytest.skip(f"cannot drop root's read override here ({e})")

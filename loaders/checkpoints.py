@@ -74,6 +74,8 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
     else:
         missing += _unusable(vae, "VAE")
     if missing:
-        raise FileNotFoundError(f"{root}: incomplete checkpoint, missing or unusable:\n  - " + "\n  - ".join(missing))
+        raise FileNotFoundError(
+            f"{root}: incomplete checkpoint, missing or unusable:\n  - " + "\n  - ".join(missing)
+        )
     config, _ = expert_pair_config(experts)
     return CheckpointFiles(experts, text_encoder, tokenizer, vae, config)

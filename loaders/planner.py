@@ -19,7 +19,7 @@ two random NF4 A14B experts, text encoded in a child process):
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..wan import i2v
 from ..wan.config import DiTConfig
@@ -145,6 +145,7 @@ class MemoryPlan:
     tokens: int
     size: tuple  # (lat_h, lat_w, h, w)
     frame_num: int
+    planner: object = field(default=None, compare=False, repr=False)  # the Planner that made it
 
     @property
     def peak_vram(self) -> int:
@@ -243,7 +244,7 @@ class Planner:
         )
         return MemoryPlan(
             phases=(text, encode, *denoise, decode), swap_blocks=int(swap), vae_tile=tile, tokens=tokens,
-            size=self.size, frame_num=self.frame_num,
+            size=self.size, frame_num=self.frame_num, planner=self,
         )  # fmt: skip
 
     def _auto_swap(self, act: int, lora: dict, budget: int | None) -> int:

@@ -9,6 +9,7 @@ spellings are accepted where they differ.
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +31,9 @@ from .loaders import (
     text_encode,
     video,
 )
+from .loaders import planner as memplan
 from .loaders.experts import ExpertSwitcher
+from .loaders.formats import detect_expert_format
 from .loaders.latent_file import save_comfy_latent
 from .loaders.lora import LoraSpec, parse_lora_spec
 from .loaders.request import RequestError, plan_request
@@ -179,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
         "camera", help="camera preset or pose folder -> poses.npy + intrinsics.npy and/or a preview PNG",
         description=camera_authoring.PRESET_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     ))  # fmt: skip
+    add_generate_args(
+        sub.add_parser("plan", help="the generate arguments -> each phase's predicted peak VRAM/RAM")
+    )
+    doctor = sub.add_parser(
+        "doctor", help="check the GPU, libraries and (with --ckpt_dir) the checkpoint files"
+    )
+    doctor.add_argument("--ckpt_dir", type=Path, help="also validate every checkpoint file from its headers")
+    doctor.add_argument("--device", default="cuda", help="the CUDA device to check")
     demo = sub.add_parser("demo", help="tiny random checkpoints on the CPU, shipped example, short MP4")
     demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
     demo.add_argument("--output", type=Path, default=None)
@@ -206,7 +217,7 @@ FLAGS = {
     "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
-    "attention": "--attention",
+    "attention": "--attention", "memory": "not enough memory",
 }  # fmt: skip
 
 
@@ -286,14 +297,23 @@ def vae_tile(text: str):
     return (th, tw)
 
 
-def run_generate(args) -> int:
-    # Everything a user can get wrong is checked here, before any model loads.
+def memory_check(args, files, tile, device, free=True) -> memplan.MemoryCheck:
+    """The planner's inputs from the generate arguments; `free`: check against the device's free memory."""
+    request = memplan.MemoryRequest(
+        expert_bytes={e: detect_expert_format(p).nbytes for e, p in files.experts.items()},
+        lora_bytes=memplan.lora_bytes(args.lora), swap_blocks=getattr(args, "swap_blocks", 0), vae_tile=tile,
+        t5_mode=args.t5_mode, t5_device="cpu" if args.t5_cpu else device.type,
+        t5_bytes=files.text_encoder.stat().st_size,
+    )  # fmt: skip
+    vram, ram = memplan.free_memory(device) if free and device.type == "cuda" else (None, None)
+    if ram is not None:
+        ram += memplan.PROCESS_RAM  # this process's own share is already in the plan's figures
+    return memplan.MemoryCheck(request, device.type, vram, free_ram=ram)
+
+
+def prepare_generate(args, check_memory: bool = True):
+    """Everything a user can get wrong, checked before any model loads, memory included."""
     device = resolve_device(args.device)
-    output = video.check_output(args.output or default_output("lingbot"), args.overwrite)
-    if args.report:
-        video.check_output(args.report, overwrite=True)
-    if args.save_latent:
-        video.check_output(args.save_latent, args.overwrite)
     files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
     text_dim = read_encoder_config(files.text_encoder)["dim"]
     check_vae(files.vae)
@@ -309,21 +329,73 @@ def run_generate(args) -> int:
         image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
         max_area=args.size, text_dim=text_dim, loras=args.lora,
         allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
+        memory=memory_check(args, files, tile, device, free=check_memory),
     )  # fmt: skip
+    return device, files, tile, image, plan
+
+
+def run_plan(args) -> int:
+    """`plan`: the table of predicted peaks; on a GPU, whether it fits the free memory (exit 2 if not)."""
+    device, files, tile, _, plan = prepare_generate(args, check_memory=False)
+    print(plan.memory.table())
+    if device.type != "cuda":
+        print("(VRAM figures are for a CUDA device; on the CPU everything lives in RAM)")
+        return 0
+    check = memory_check(args, files, tile, device)
+    check.run(plan.memory.planner)  # raises MemoryPlanError: exit 2 with the settings that fit
+    print(f"fits: {check.free_vram / memplan.GIB:.1f} GiB of VRAM free on {device}")
+    return 0
+
+
+def run_generate(args) -> int:
+    output = video.check_output(args.output or default_output("lingbot"), args.overwrite)
+    if args.report:
+        video.check_output(args.report, overwrite=True)
+    if args.save_latent:
+        video.check_output(args.save_latent, args.overwrite)
+    device, files, tile, image, plan = prepare_generate(args)
+    current = {"phase": None}
+    try:
+        return _generate(args, device, files, tile, image, plan, output, current)
+    except torch.OutOfMemoryError:
+        vram = memplan.free_memory(device)[0]
+        error = memplan.oom_error(current["phase"], plan.memory and plan.memory.planner, vram)
+    # outside the handler: the traceback (and the tensors its frames held) is gone
+    release_cuda()
+    raise error
+
+
+def release_cuda() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _generate(args, device, files, tile, image, plan, output, current) -> int:
     settings, (h, w) = plan.settings, plan.size[2:]
     log = monitor.PhaseLog()
-    hooks = pipeline.Hooks(phase=log.phase)
+    print(plan.memory.table())
 
-    with log.phase("text_encode"):
+    @contextlib.contextmanager
+    def phase(name):
+        current["phase"] = name
+        with log.phase(name):
+            yield
+
+    hooks = pipeline.Hooks(phase=phase)
+
+    with phase("text_encode"):
         context, context_null = text_encode.encode_prompts(
             files.text_encoder, [args.prompt, args.n_prompt or settings.negative_prompt],
             tokenizer_path=files.tokenizer, mode=args.t5_mode,
             device="cpu" if args.t5_cpu else str(device),
         )  # fmt: skip
-    with log.phase("camera"):
+    with phase("camera"):
         inputs = plan.inputs(image, context, context_null, device)
     del context, context_null
-    with log.phase("load_vae"):
+    with phase("load_vae"):
         vae = load_vae(files.vae, device)
     switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None, loras=plan.loras)
     stats = SpeedStats()
@@ -340,9 +412,9 @@ def run_generate(args) -> int:
     if args.save_latent:
         save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
     hooks.check()
-    with log.phase("vae_decode"):
+    with phase("vae_decode"):
         frames = vae.decode(latent, tile=tile)
-    with log.phase("write_mp4"):
+    with phase("write_mp4"):
         video.write_mp4(
             pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite
         )
@@ -433,6 +505,12 @@ def main(argv=None) -> int:
             return run_demo(args)
         if args.command == "camera":
             return run_camera(args)
+        if args.command == "plan":
+            return run_plan(args)
+        if args.command == "doctor":
+            from .loaders import doctor
+
+            return doctor.main(args.ckpt_dir, args.device)
         return run_generate(args)
     except Terminated:
         print("terminated: models released, no output written", file=sys.stderr)

@@ -55,6 +55,7 @@ class Plan:
     camera: CameraInput | None = None
     loras: dict = field(default_factory=dict)  # {'high'|'low': [wan.lora.Lora]}, read and checked
     speed: SpeedOptions = SpeedOptions()  # every option off: today's exact results
+    memory: object = None  # loaders.planner.MemoryPlan when plan_request checked memory, else None
 
     @property
     def tokens(self) -> int:
@@ -182,13 +183,16 @@ def plan_request(
     loras: tuple = (),
     allow_unmatched_lora_keys: bool = False,
     speed: SpeedOptions | None = None,
+    memory=None,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
     the frame count (None: the camera's or the default), the sizing (`max_area`, or `width` and `height`)
     and, when known, the text encoder's output width. `loras` (LoraSpecs) are read and checked against
     the experts' layers here, once, so a wrong file is refused before any expert streams in. `speed`: the
-    sampling loop's speed options (attention backend checked for availability here)."""
+    sampling loop's speed options (attention backend checked for availability here). `memory`: a
+    `loaders.planner.MemoryCheck` (device, free memory, stored bytes): each phase's peak is predicted
+    and a request that does not fit is refused (MemoryPlanError) before anything loads."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -211,9 +215,15 @@ def plan_request(
     except (ValueError, ImportError, RuntimeError) as e:
         raise RequestError("attention", str(e)) from None
     settings = replace(settings, frame_num=frames)
+    memory_plan = None
+    if memory is not None:
+        from .planner import Planner
+
+        request = replace(memory.request, compile=bool(speed.compile))
+        memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
     return Plan(
         size=size, frame_num=frames, settings=settings, config=config, camera=camera,
-        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed,
+        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed, memory=memory_plan,
     )  # fmt: skip
 
 

@@ -46,6 +46,12 @@ def make_room(nbytes: int, device) -> None:
     mm.soft_empty_cache()
 
 
+def device_budget(device) -> int | None:
+    """VRAM a run may plan on: the card's total (ComfyUI unloads its own models to make room), None on CPU."""
+    device = torch.device(device)
+    return None if device.type == "cpu" else int(mm.get_total_memory(device))
+
+
 def after_release() -> None:
     """Give the allocator cache back once one of our models is dropped."""
     mm.soft_empty_cache()

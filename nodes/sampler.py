@@ -1,9 +1,11 @@
 """Sampler node: image + text + camera -> video latent, one expert on the device at a time."""
 
+import contextlib
 import logging
 
 import torch
 
+from ..loaders import planner as memplan
 from ..loaders.request import RequestError, plan_request
 from ..wan import i2v, pipeline
 from ..wan.config import SampleConfig
@@ -22,6 +24,9 @@ SIZING = ("max_area", "explicit")
 WIDGETS = {"sample_steps": "steps", "sample_shift": "shift", "size": "width/height/frame_num",
            "guide_scale": "guide_scale_low/high", "action_string": "camera", "attention": "speed"}  # fmt: skip
 log = logging.getLogger("LingBot-World")
+# Planner settings -> where a ComfyUI user changes them.
+PLAN_NAMES = {"frame_num": "frame_num", "size": "max_area", "swap_blocks": "swap_blocks",
+              "vae_tile": "VAE Decode tiling", "t5_cpu": "text encoder on CPU"}  # fmt: skip
 
 
 def image_to_input(image: torch.Tensor) -> torch.Tensor:
@@ -37,13 +42,6 @@ def image_to_input(image: torch.Tensor) -> torch.Tensor:
     if first.shape[-1] == 1:
         first = first.expand(-1, -1, 3)
     return first.permute(2, 0, 1).contiguous().sub_(0.5).div_(0.5)
-
-
-def working_bytes(lat_f: int, lat_h: int, lat_w: int, dim: int = 5120, ffn_dim: int = 13824) -> int:
-    """Rough activation memory of one DiT step (fp32 residual stream + FFN hidden + latents), asked
-    of ComfyUI on top of an expert's weights. Overestimating only unloads more of ComfyUI's models."""
-    tokens = i2v.seq_len(lat_f, lat_h, lat_w)
-    return tokens * (4 * dim + 2 * ffn_dim) * 4 + memory.GIB
 
 
 class LingBotSampler:
@@ -158,30 +156,56 @@ class LingBotSampler:
             else {"width": width, "height": height}
         )
         device = memory.torch_device()
+        check = memplan.MemoryCheck(
+            memplan.MemoryRequest(
+                dict(experts.nbytes), memplan.lora_bytes(experts.loras),
+                swap_blocks=getattr(experts, "swap_blocks", 0), t5_device="cpu", t5_bytes=0,
+            ), device.type, memory.device_budget(device), names=PLAN_NAMES,
+        )  # fmt: skip
         try:
             plan = plan_request(
                 img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, loras=experts.loras,
-                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, speed=speed, **sizing,
+                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, speed=speed, memory=check, **sizing,
             )  # fmt: skip
             inputs = plan.inputs(img, text.context, text.context_null, device)
         except RequestError as e:
             raise ValueError(f"{WIDGETS.get(e.param, e.param)}: {e.detail}") from None
         size, frame_num = plan.size, plan.frame_num
-        work = working_bytes(i2v.latent_frames(frame_num), *size[:2])
+        log.info("LingBot-World %s", plan.memory.table())
+        work = max(plan.memory.phase(f"denoise_{e}").vram - experts.nbytes[e] for e in ("high", "low"))
         hooks, phases = memory.sampling_hooks(steps)
+        entered, inner = [], hooks.phase
+
+        @contextlib.contextmanager
+        def tracked(name):  # the phase a CUDA OOM happens in, for its message
+            entered.append(name)
+            with inner(name):
+                yield
+
+        hooks.phase = tracked
         stats = SpeedStats()
         try:
             latent = pipeline.sample(
                 vae=vae, experts=experts.provider(device, work, plan.loras), release_experts=experts.release, hooks=hooks, stats=stats,
                 **inputs,
             )  # fmt: skip
+        except torch.OutOfMemoryError:
+            experts.close()
+            error = memplan.oom_error(
+                entered[-1] if entered else None, plan.memory.planner, check.free_vram, PLAN_NAMES
+            )
         except BaseException as e:
             experts.close()  # errors and interrupts also drop what keep_in_ram_gb parked
             log.info("LingBot-World sampling stopped (%s); experts released", type(e).__name__)
             raise
+        else:
+            error = None
         finally:
             del inputs
             memory.after_release()
+        if error is not None:  # raised outside the handler, so the failed step's tensors are freed first
+            memory.after_release()
+            raise RuntimeError(f"LingBot-World: {error.detail}")
         log.info(
             "LingBot-World sampling, %d frames at %dx%d:\n%s\n%s",
             frame_num, size[3], size[2], phases.table(), stats.summary(),

@@ -1,0 +1,458 @@
+"""Run planner: each phase's peak VRAM and host RAM predicted from the request alone, before anything loads.
+
+The model is a handful of terms per phase, each tied to what the code allocates, with coefficients
+fitted to whole runs measured on an H200 under a 24 GiB cap (480p x 81 and 720p x 81 frames, CFG,
+two random NF4 A14B experts, text encoded in a child process):
+
+- text_encode: the T5 weights plus a small working set, on whichever device encodes; in a child
+  process the parent holds nothing, but the child shares the card and the host.
+- vae_encode: the VAE and the video on the device, plus the encoder's chunk activations, which scale
+  with the pixel area (the first frame and 4-frame chunks stream through a causal cache).
+- denoise_high / denoise_low: the resident expert's weights (less the blocks `swap_blocks` keeps in
+  pinned host RAM, plus the two blocks in flight), LoRA side tensors, and the activations of one forward
+  pass: a per-token term and the FFN intermediate, which `wan.dit` builds in chunks of FFN_CHUNK tokens.
+- vae_decode: the VAE, the fp32 output video and a per-latent-pixel cost of the decoder's caches over
+  one tile (the whole frame when untiled).
+
+`MemoryPlan.check` compares the peaks with the free memory and, when something does not fit, raises a
+`MemoryPlanError` naming the phase and the settings that would fit, found with the same model.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..wan import i2v
+from ..wan.config import DiTConfig
+from ..wan.dit import FFN_CHUNK
+from .request import RequestError
+
+GIB = 1 << 30
+
+# Fitted on the H200 runs (see the module docstring); bytes.
+PROCESS_RAM = int(1.12 * GIB)  # anon RSS of the process with torch, the VAE and the small inputs
+ENCODE_RAM_BASE = int(0.29 * GIB)
+ENCODE_RAM_PER_PIXEL_FRAME = 27.2  # the input video on the host (fp32 and its staging copy)
+VAE_BASE = int(0.55 * GIB)  # VAE weights, camera tensor, latents
+ENCODE_PER_PIXEL = 17_690  # encoder chunk activations and cache per output pixel
+ENCODE_PER_PIXEL_FRAME = 18  # the video on the device (fp32 + bf16)
+DECODE_BASE = int(0.39 * GIB)
+DECODE_PER_LATENT_PIXEL = 1_076_700  # decoder caches + activations per latent pixel of a tile
+DECODE_MIN_TILE = 40  # latent pixels a side: 2 * overlap + 8, as wan.vae.pick_tile
+DENOISE_PER_TOKEN = 175_976  # residual stream, q/k/v/attention output, camera tokens, norms (dim 5120)
+DENOISE_BASE = -int(1.09 * GIB)  # fit intercept (allocator reuse across blocks); floored below
+FFN_BYTES = 4  # bf16 FFN intermediate and its GELU output, per token per ffn channel
+COMPILE_SAVING_PER_TOKEN = int(1.18 * GIB) // 31_668  # fused elementwise ops under --compile
+T5_WORKING = 300_000_000  # the encoder's activations for two prompts
+T5_DEFAULT_BYTES = 11_360_000_000  # umT5-XXL encoder, bf16
+T5_CHILD_RAM = 800_000_000  # the child's interpreter and torch on top of its weights
+FRAME_STEP = 4
+
+PHASES = ("text_encode", "vae_encode", "denoise_high", "denoise_low", "vae_decode")
+
+
+class MemoryPlanError(RequestError):
+    """A request whose predicted peak does not fit; `phase` names it, `suggestions` what would fit."""
+
+    def __init__(self, phase: str, message: str, suggestions: list):
+        super().__init__("memory", message)
+        self.phase = phase
+        self.suggestions = suggestions
+
+
+@dataclass(frozen=True)
+class MemoryRequest:
+    """What the planner needs besides the sizes: stored bytes and the memory-related settings.
+
+    expert_bytes: {'high': int, 'low': int} stored bytes of each expert (`ExpertSource.nbytes`).
+    lora_bytes: {'high': int, 'low': int} LoRA file bytes applied to each expert.
+    swap_blocks: DiT blocks kept in pinned host RAM instead of VRAM (int, or 'auto': the fewest that fit).
+    vae_tile: None (whole frame), 'auto' (from free VRAM) or (tile_h, tile_w) latent pixels.
+    t5_mode / t5_device: 'subprocess' or 'inprocess'; 'cpu' or 'cuda'.
+    """
+
+    expert_bytes: dict
+    lora_bytes: dict | None = None
+    swap_blocks: int | str = 0
+    vae_tile: object = "auto"
+    t5_mode: str = "subprocess"
+    t5_device: str = "cuda"
+    t5_bytes: int = T5_DEFAULT_BYTES
+    compile: bool = False  # guide scale 1 (one forward per step) leaves the peak as it is: not an input
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    vram: int
+    ram: int
+    note: str = ""
+
+
+def _tokens(lat_f: int, lat_h: int, lat_w: int) -> int:
+    return i2v.seq_len(lat_f, lat_h, lat_w)
+
+
+def expert_vram(nbytes: int, num_layers: int, swap_blocks: int) -> int:
+    """An expert's weights on the device with `swap_blocks` of its blocks in host RAM (two in flight)."""
+    block = nbytes // max(num_layers, 1)
+    swap = max(0, min(int(swap_blocks), num_layers))
+    return nbytes - swap * block + min(swap, 2) * block
+
+
+def activation_vram(tokens: int, config: DiTConfig, compile_: bool = False) -> int:
+    """Peak working memory of one forward pass of `tokens` tokens (latents and conditions included)."""
+    scale = config.dim / 5120
+    per_token = DENOISE_PER_TOKEN * scale
+    ffn = min(tokens, FFN_CHUNK) * config.ffn_dim * FFN_BYTES
+    fitted = DENOISE_BASE + per_token * tokens + ffn
+    floor = tokens * config.dim * 4 * 3 + ffn  # fp32 residual, its normed copy and the block output
+    act = max(fitted, floor)
+    if compile_:
+        act = max(act - COMPILE_SAVING_PER_TOKEN * scale * tokens, floor)
+    return int(act)
+
+
+def decode_vram(lat_f: int, lat_h: int, lat_w: int, tile) -> int:
+    area = lat_h * lat_w if tile is None else min(tile[0], lat_h) * min(tile[1], lat_w)
+    video = 3 * (FRAME_STEP * (lat_f - 1) + 1) * lat_h * lat_w * 64 * 4
+    weights = 0 if tile is None else lat_h * lat_w * 64 * 4  # the blend weight sum
+    return DECODE_BASE + video + weights + area * DECODE_PER_LATENT_PIXEL
+
+
+def auto_tile(lat_f: int, lat_h: int, lat_w: int, budget: int | None):
+    """The decode tile 'auto' would use for `budget` bytes: None (whole frame) when it fits or no budget
+    is known, else the largest square-ish tile that fits (at least DECODE_MIN_TILE a side)."""
+    if budget is None or decode_vram(lat_f, lat_h, lat_w, None) <= budget:
+        return None
+    fixed = decode_vram(lat_f, lat_h, lat_w, (0, 0))
+    area = max(budget - fixed, 0) / DECODE_PER_LATENT_PIXEL
+    side = max(int(math.sqrt(area)), DECODE_MIN_TILE)
+    th, tw = min(side, lat_h), min(side, lat_w)
+    if th < side:  # a short frame: widen the tile instead
+        tw = min(max(int(area // th), DECODE_MIN_TILE), lat_w)
+    elif tw < side:
+        th = min(max(int(area // tw), DECODE_MIN_TILE), lat_h)
+    return th, tw
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Predicted peaks of one run: `phases` in run order, the swap and tile they assume."""
+
+    phases: tuple
+    swap_blocks: int
+    vae_tile: object
+    tokens: int
+    size: tuple  # (lat_h, lat_w, h, w)
+    frame_num: int
+    planner: object = field(default=None, compare=False, repr=False)  # the Planner that made it
+
+    @property
+    def peak_vram(self) -> int:
+        return max(p.vram for p in self.phases)
+
+    @property
+    def peak_ram(self) -> int:
+        return max(p.ram for p in self.phases)
+
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    def table(self) -> str:
+        h, w = self.size[2:]
+        lines = [
+            f"memory plan: {self.frame_num} frames at {w}x{h} ({self.tokens:,} tokens), "
+            f"swap_blocks {self.swap_blocks}, VAE tile {_tile_text(self.vae_tile)}",
+            f"{'phase':<13} {'peak VRAM':>10} {'peak RAM':>10}",
+        ]
+        for p in self.phases:
+            note = f"  {p.note}" if p.note else ""
+            lines.append(f"{p.name:<13} {p.vram / GIB:>6.2f} GiB {p.ram / GIB:>6.2f} GiB{note}")
+        lines.append(f"{'peak':<13} {self.peak_vram / GIB:>6.2f} GiB {self.peak_ram / GIB:>6.2f} GiB")
+        return "\n".join(lines)
+
+    def over(self, free_vram: int | None, free_ram: int | None = None) -> list:
+        """[(phase, 'VRAM'|'RAM', needed, free)] for each phase that does not fit."""
+        out = []
+        for p in self.phases:
+            if free_vram is not None and p.vram > free_vram:
+                out.append((p.name, "VRAM", p.vram, free_vram))
+            if free_ram is not None and p.ram > free_ram:
+                out.append((p.name, "RAM", p.ram, free_ram))
+        return out
+
+
+def _tile_text(tile) -> str:
+    return "none (whole frame)" if tile is None else f"{tile[0]}x{tile[1]} latent px"
+
+
+class Planner:
+    """Predicts a run's memory from sizes and settings; `plan()` for the table, `check()` to refuse."""
+
+    def __init__(self, config: DiTConfig, size: tuple, frame_num: int, request: MemoryRequest,
+                 image_hw: tuple | None = None, max_area: int | None = None):  # fmt: skip
+        self.config, self.size, self.frame_num, self.request = config, size, frame_num, request
+        self.image_hw, self.max_area = image_hw, max_area
+
+    def with_(self, size=None, frame_num=None, **request) -> "Planner":
+        return Planner(
+            self.config, size or self.size, frame_num or self.frame_num, replace(self.request, **request),
+            self.image_hw, self.max_area,
+        )  # fmt: skip
+
+    def plan(self, budget: int | None = None) -> MemoryPlan:
+        """Each phase's peaks; `budget` (free VRAM) resolves 'auto' swap and tiling as the run would."""
+        r, cfg = self.request, self.config
+        lat_h, lat_w, h, w = self.size
+        lat_f = i2v.latent_frames(self.frame_num)
+        tokens = _tokens(lat_f, lat_h, lat_w)
+        pixels = h * w
+
+        t5_gpu = r.t5_device != "cpu"
+        t5_vram = r.t5_bytes + T5_WORKING if t5_gpu else 0
+        if r.t5_mode == "subprocess":  # the child reads the weights into its own RAM either way
+            t5_ram = PROCESS_RAM // 2 + r.t5_bytes + T5_CHILD_RAM
+        else:
+            t5_ram = PROCESS_RAM + (0 if t5_gpu else r.t5_bytes + T5_WORKING)
+        where = "child process" if r.t5_mode == "subprocess" else "this process"
+        text = Phase("text_encode", t5_vram, t5_ram, f"T5 on {'GPU' if t5_gpu else 'CPU'}, {where}")
+
+        enc_vram = VAE_BASE + pixels * (ENCODE_PER_PIXEL + ENCODE_PER_PIXEL_FRAME * self.frame_num)
+        enc_ram = max(PROCESS_RAM, ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * self.frame_num)
+        encode = Phase("vae_encode", int(enc_vram), int(enc_ram))
+
+        act = activation_vram(tokens, cfg, r.compile)
+        lora = r.lora_bytes or {}
+        swap = r.swap_blocks
+        if swap == "auto":
+            swap = self._auto_swap(act, lora, budget)
+        denoise = []
+        for name in ("high", "low"):
+            nbytes = int(r.expert_bytes[name])
+            weights = expert_vram(nbytes, cfg.num_layers, swap)
+            pinned = int(swap) * (nbytes // max(cfg.num_layers, 1))  # host copies of the swapped blocks
+            vram = weights + int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
+            note = f"expert {nbytes / GIB:.2f} GiB" + (f", {swap} blocks in pinned RAM" if swap else "")
+            denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + pinned, note))
+
+        tile = r.vae_tile
+        if tile == "auto":
+            tile = auto_tile(lat_f, lat_h, lat_w, budget)
+        dec_ram = PROCESS_RAM + 3 * self.frame_num * pixels  # the uint8 video for the MP4
+        decode = Phase(
+            "vae_decode", decode_vram(lat_f, lat_h, lat_w, tile), dec_ram, f"tile {_tile_text(tile)}"
+        )
+        return MemoryPlan(
+            phases=(text, encode, *denoise, decode), swap_blocks=int(swap), vae_tile=tile, tokens=tokens,
+            size=self.size, frame_num=self.frame_num, planner=self,
+        )  # fmt: skip
+
+    def _auto_swap(self, act: int, lora: dict, budget: int | None) -> int:
+        """The fewest swapped blocks whose denoise fits `budget` (0 without one; all if none fits)."""
+        if budget is None:
+            return 0
+        n = self.config.num_layers
+        for swap in range(n + 1):
+            need = max(
+                expert_vram(int(self.request.expert_bytes[e]), n, swap) + int(lora.get(e, 0)) + act
+                for e in ("high", "low")
+            )
+            if need <= budget:
+                return swap
+        return n
+
+    # -- refusing, with settings that fit --------------------------------------------------------------
+
+    def suggestions(self, free_vram: int | None, free_ram: int | None = None) -> list:
+        """Alternative settings that make the whole run fit, by the same model: a list of
+        [(param, value), ...] change sets, the cheapest first (moving T5 to the CPU and tiling the VAE
+        cost no quality, so they lead every set that needs them)."""
+
+        def fits(p: "Planner") -> bool:
+            return not p.plan(free_vram).over(free_vram, free_ram)
+
+        failing = {f[0] for f in self.plan(free_vram).over(free_vram, free_ram)}
+        base, planner = [], self
+        if "text_encode" in failing and self.request.t5_device != "cpu":
+            base.append(("t5_cpu", True))
+            planner = planner.with_(t5_device="cpu")
+        if "vae_decode" in failing and self.request.vae_tile is None:
+            base.append(("vae_tile", "auto"))
+            planner = planner.with_(vae_tile="auto")
+        if base and fits(planner):
+            return [base]
+        out = []
+        swap = planner._fitting_swap(fits)
+        if swap is not None:
+            out.append([*base, ("swap_blocks", swap)])
+        variants = [(planner, [])]
+        if swap is None:  # swapping alone is not enough: pair the denoise's swap with a smaller clip
+            denoise_swap = planner._fitting_swap(lambda p: not _denoise_over(p, free_vram))
+            if denoise_swap:
+                variants.append((planner.with_(swap_blocks=denoise_swap), [("swap_blocks", denoise_swap)]))
+        for p, extra in variants:
+            frames = p._fitting_frames(fits)
+            if frames is not None:
+                out.append([*base, *extra, ("frame_num", frames)])
+            size = p._fitting_size(fits)
+            if size is not None:
+                out.append([*base, *extra, ("size", size)])
+        return out
+
+    def _fitting_swap(self, fits):
+        start = 0 if self.request.swap_blocks == "auto" else int(self.request.swap_blocks)
+        for swap in range(start + 1, self.config.num_layers + 1):
+            if fits(self.with_(swap_blocks=swap)):
+                return swap
+        return None
+
+    def _fitting_frames(self, fits):
+        for frames in range(self.frame_num - FRAME_STEP, 0, -FRAME_STEP):
+            if fits(self.with_(frame_num=frames)):
+                return frames
+        return None
+
+    def _fitting_size(self, fits):
+        for area, size in self._smaller_sizes():
+            if fits(self.with_(size=size)):
+                return area
+        return None
+
+    def _smaller_sizes(self):
+        """(max_area or (h, w), latent size) steps below the current size, largest first."""
+        lat_h, lat_w, h, w = self.size
+        for k in range(1, 40):
+            scale = 1 - k * 0.025
+            if self.image_hw is not None and self.max_area is not None:
+                area = int(self.max_area * scale * scale)
+                try:
+                    size = i2v.latent_size(*self.image_hw, area)
+                except ValueError:
+                    return
+                th, tw = size[2:]
+                area_text = _area_text(th, tw)
+            else:
+                th, tw = (max(16, int(v * scale) // 16 * 16) for v in (h, w))
+                size, area_text = (th // 8, tw // 8, th, tw), (th, tw)
+            if size[2] * size[3] < h * w:
+                yield area_text, size
+
+
+def _area_text(h: int, w: int) -> str:
+    return f"{h}*{w}"
+
+
+def _denoise_over(planner: Planner, free_vram) -> bool:
+    return any(o[0].startswith("denoise") for o in planner.plan(free_vram).over(free_vram))
+
+
+def format_suggestions(suggestions: list, names: dict | None = None) -> str:
+    """'--swap_blocks 12, --frame_num 41 or --size 384*672' (names: param -> how a front end says it)."""
+    names = names or {}
+    parts = []
+    for changes in suggestions:
+        words = []
+        for param, value in changes:
+            label = names.get(param, f"--{param}")
+            if value is True:
+                words.append(label)
+            elif isinstance(value, tuple):
+                words.append(f"{label} {value[1]}x{value[0]}")
+            else:
+                words.append(f"{label} {value}")
+        parts.append(" ".join(words))
+    if not parts:
+        return ""
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def check(planner: Planner, free_vram: int | None, cap: int | None = None, free_ram: int | None = None,
+          names: dict | None = None) -> MemoryPlan:  # fmt: skip
+    """The plan for this much free memory (`cap`, if given, bounds the VRAM too). Raises MemoryPlanError
+    naming the first phase that does not fit, its prediction, and single changes that would fit."""
+    budget = free_vram if cap is None else (cap if free_vram is None else min(free_vram, cap))
+    plan = planner.plan(budget)
+    over = plan.over(budget, free_ram)
+    if not over:
+        return plan
+    phase, what, need, free = over[0]
+    others = sorted({o[0] for o in over[1:]} - {phase})
+    msg = f"{phase} needs {need / GIB:.1f} GiB of {what}, {free / GIB:.1f} GiB free" + (
+        f" (also too big: {', '.join(others)})" if others else ""
+    )
+    fixes = planner.suggestions(budget, free_ram)
+    text = format_suggestions(fixes, names)
+    msg += f"; settings that fit: {text}" if text else "; no single smaller setting fits this card"
+    raise MemoryPlanError(phase, msg, fixes)
+
+
+def lora_bytes(specs) -> dict:
+    """{'high': bytes, 'low': bytes} of the LoRA files each expert gets."""
+    out = {"high": 0, "low": 0}
+    for spec in specs:
+        size = spec.path.stat().st_size
+        for e in ("high", "low"):
+            if spec.experts in (e, "both"):
+                out[e] += size
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """What `plan_request` checks memory with: the request's bytes and settings, the device and its free
+    memory (passed in, so tests can inject them), an optional cap, and how the front end names settings."""
+
+    request: MemoryRequest
+    device: str = "cuda"
+    free_vram: int | None = None
+    cap: int | None = None
+    free_ram: int | None = None
+    names: dict | None = None
+
+    def run(self, planner: Planner) -> MemoryPlan:
+        gpu = str(self.device).startswith("cuda")
+        return check(
+            planner, self.free_vram if gpu else None, self.cap if gpu else None, self.free_ram, self.names
+        )
+
+
+def free_memory(device) -> tuple:
+    """(free VRAM bytes this process can allocate or None on CPU, available host RAM bytes or None)."""
+    import torch
+
+    from ..wan.vae import free_vram
+
+    vram = None
+    if torch.device(device).type == "cuda":
+        vram = free_vram(device)
+    ram = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    ram = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return vram, ram
+
+
+def oom_error(phase: str | None, planner: Planner | None, free_vram: int | None, names: dict | None = None):
+    """A MemoryPlanError for a CUDA out-of-memory that happened anyway: the phase, what the plan had
+    predicted for it, and settings that fit with a margin for what the plan missed."""
+    where = phase or "the run"
+    if planner is None:
+        return MemoryPlanError(where, f"CUDA ran out of memory during {where}; models released", [])
+    plan = planner.plan(free_vram)
+    predicted = next((p for p in plan.phases if p.name == phase), None)
+    said = f" (the plan predicted {predicted.vram / GIB:.1f} GiB" if predicted else " (plan peak "
+    said += f"{plan.peak_vram / GIB:.1f} GiB)" if predicted is None else ")"
+    free = f", {free_vram / GIB:.1f} GiB free" if free_vram is not None else ""
+    msg = f"CUDA ran out of memory during {where}{said}{free}; models released"
+    budget = None
+    if free_vram is not None and predicted is not None:
+        budget = int(min(free_vram, predicted.vram) * 0.9)  # what the card really gave, less a margin
+    fixes = planner.suggestions(budget) if budget else []
+    text = format_suggestions(fixes, names)
+    if text:
+        msg += f"; settings that would fit: {text}"
+    return MemoryPlanError(where, msg, fixes)

@@ -1,0 +1,162 @@
+"""Run planner, memory refusals, the OOM message and `doctor` (CPU; memory figures injected)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import lingbot  # noqa: E402
+
+pack = lingbot.load_pack()
+from lingbot_world import cli  # noqa: E402
+from lingbot_world.loaders import demo_assets, doctor  # noqa: E402
+from lingbot_world.loaders import planner as mp  # noqa: E402
+from lingbot_world.wan import i2v  # noqa: E402
+from lingbot_world.wan.config import A14B  # noqa: E402
+
+GIB = mp.GIB
+NF4 = 9_740_000_000
+
+
+def planner(h=480, w=832, frames=81, **kw):
+    area = h * w
+    size = i2v.latent_size(h, w, area)
+    return mp.Planner(A14B, size, frames, mp.MemoryRequest({"high": NF4, "low": NF4}, **kw), (h, w), area)
+
+
+def test_calibration_points_within_ten_percent():
+    p480, p720 = planner().plan(24 * GIB), planner(720, 1280).plan(24 * GIB)
+    for plan, phase, gib in (
+        (p480, "vae_encode", 7.43), (p480, "denoise_low", 14.80), (p480, "vae_decode", 6.79),
+        (p720, "vae_encode", 16.98), (p720, "denoise_low", 22.06), (p720, "vae_decode", 15.66),
+    ):  # fmt: skip
+        assert abs(plan.phase(phase).vram / GIB - gib) <= 0.1 * gib, (phase, plan.phase(phase).vram / GIB)
+    lora = planner(lora_bytes={"high": 830_000_000, "low": 830_000_000}).plan()
+    assert abs(lora.phase("denoise_high").vram / GIB - 15.57) < 0.3
+    assert planner(compile=True).plan().peak_vram < p480.peak_vram
+
+
+@pytest.mark.parametrize("phase", mp.PHASES[1:])
+def test_monotonic_in_size_and_frames(phase):
+    sizes = [(256, 448), (480, 832), (576, 1024), (720, 1280)]
+    for frames in (9, 41, 81, 161, 321):
+        vals = [planner(h, w, frames, vae_tile=None).plan().phase(phase).vram for h, w in sizes]
+        assert vals == sorted(vals), (phase, frames, vals)
+    for h, w in sizes:
+        vals = [planner(h, w, f, vae_tile=None).plan().phase(phase).vram for f in range(5, 330, 8)]
+        assert vals == sorted(vals), (phase, h, w)
+    swaps = [planner(swap_blocks=s).plan().phase("denoise_high").vram for s in range(0, 41, 5)]
+    assert swaps == sorted(swaps, reverse=True) and swaps[-1] < swaps[0] - 7 * GIB
+
+
+def test_refusal_names_phase_and_fitting_settings():
+    p = planner(720, 1280, 81)
+    with pytest.raises(mp.MemoryPlanError) as err:
+        mp.check(p, 20 * GIB)
+    e = err.value
+    assert e.param == "memory" and e.phase == "denoise_high" and "22." in str(e)
+    assert "--swap_blocks" in str(e) and "--frame_num" in str(e) and "--size" in str(e)
+    for changes in e.suggestions:  # every suggestion fits by the same model
+        kw = dict(changes)
+        fixed = p.with_(
+            frame_num=kw.get("frame_num"), swap_blocks=kw.get("swap_blocks", 0),
+            size=i2v.latent_size(720, 1280, i2v.parse_max_area(kw["size"])) if "size" in kw else None,
+        )  # fmt: skip
+        assert not fixed.plan(20 * GIB).over(20 * GIB)
+    with pytest.raises(mp.MemoryPlanError, match="text_encode.*--t5_cpu"):
+        mp.check(planner(), 8 * GIB)
+    with pytest.raises(mp.MemoryPlanError, match="--vae_tile auto"):
+        mp.check(planner(720, 1280, 81, vae_tile=None, swap_blocks=40, t5_device="cpu"), 14 * GIB)
+    assert mp.check(planner(), 24 * GIB).peak_vram < 24 * GIB
+    assert mp.check(planner(), None, cap=24 * GIB).swap_blocks == 0
+    auto = mp.check(planner(swap_blocks="auto", t5_device="cpu"), 12 * GIB)
+    assert 0 < auto.swap_blocks < 40 and auto.peak_vram <= 12 * GIB
+
+
+@pytest.fixture(scope="module")
+def demo_ckpt(tmp_path_factory):
+    return demo_assets.ensure_demo_checkpoint(tmp_path_factory.mktemp("demo"))
+
+
+def generate_argv(ckpt, *extra):
+    ex = ROOT / "examples" / "00"
+    return ["--ckpt_dir", str(ckpt), "--image", str(ex / "image.jpg"), "--prompt", "p",
+            "--size", "64*112", "--frame_num", "9", "--device", "cpu", *extra]  # fmt: skip
+
+
+def test_plan_subcommand_prints_table(demo_ckpt, capsys):
+    assert cli.main(["plan", *generate_argv(demo_ckpt)]) == 0
+    out = capsys.readouterr().out
+    for phase in mp.PHASES:
+        assert phase in out
+    assert "9 frames at 112x48" in out and "peak VRAM" in out
+
+
+def test_generate_refuses_when_plan_does_not_fit(demo_ckpt, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "resolve_device", lambda text: torch.device("cuda"))
+    monkeypatch.setattr(mp, "free_memory", lambda device: (1 << 20, 64 * GIB))
+    rc = cli.main(["generate", *generate_argv(demo_ckpt, "--output", str(tmp_path / "o.mp4"))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "not enough memory" in err and "GiB free" in err and "Traceback" not in err
+    assert not (tmp_path / "o.mp4").exists()
+
+
+def test_oom_becomes_clear_message(demo_ckpt, tmp_path, monkeypatch, capsys):
+    from lingbot_world.wan import pipeline
+
+    def oom(**kw):
+        with kw["hooks"].in_phase("denoise_high"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    closed = []
+    real_close = cli.ExpertSwitcher.close
+    monkeypatch.setattr(cli.ExpertSwitcher, "close", lambda self: (closed.append(1), real_close(self))[1])
+    monkeypatch.setattr(pipeline, "sample", oom)
+    monkeypatch.setattr(mp, "free_memory", lambda device: (8 * GIB, None))
+    rc = cli.main(["generate", *generate_argv(demo_ckpt, "--output", str(tmp_path / "o.mp4"))])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "CUDA ran out of memory during denoise_high" in err and "the plan predicted" in err
+    assert "models released" in err and closed
+    e = mp.oom_error("denoise_low", planner(720, 1280), 20 * GIB)
+    assert "denoise_low" in str(e) and "--swap_blocks" in str(e)
+
+
+def test_doctor_fails_clearly_without_gpu(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    checks = {c.name: c for c in doctor.run_checks(tmp_path / "missing")}
+    assert not checks["GPU"].ok and "CUDA build" in checks["GPU"].detail
+    assert not checks["pinned memory"].ok and not checks["bitsandbytes"].ok
+    assert not checks["checkpoints"].ok and "missing" in checks["checkpoints"].detail
+    assert cli.main(["doctor", "--ckpt_dir", str(tmp_path / "missing")]) == 1
+    assert "to fix: GPU" in capsys.readouterr().out
+
+
+def test_doctor_missing_libraries_and_broken_ckpt(monkeypatch, demo_ckpt, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_libs(name, *a, **kw):
+        if name in ("av", "bitsandbytes"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_libs)
+    assert not doctor.check_pyav().ok and "pip install av" in doctor.check_pyav().detail
+    assert "pip install bitsandbytes" in doctor.check_bitsandbytes().detail
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    good = doctor.check_checkpoints(demo_ckpt)
+    assert all(c.ok for c in good) and {c.name for c in good} == {"experts", "text encoder", "VAE"}
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_ckpt, broken)
+    vae = next(p for p in broken.iterdir() if "vae" in p.name.lower() and p.is_file())
+    vae.write_bytes(b"not a checkpoint")
+    checks = {c.name: c for c in doctor.check_checkpoints(broken)}
+    bad = [c for c in checks.values() if not c.ok]
+    assert bad and any(vae.name in c.detail for c in bad)

@@ -70,6 +70,13 @@ def test_swap_is_bit_identical(nf4_dir, n):
     swapper = BlockSwapper(model, n)
     assert model.block_swap is swapper and swapper.indices == list(range(4 - n, 4))
     assert swapper.host_bytes > 0
+    for i in swapper.indices:  # every tensor of a swapped block (4-bit data, quant state, norms) lives in it
+        ptr = swapper._host[i].data_ptr()
+        tensors = [*model.blocks[i].parameters(), *model.blocks[i].buffers()]
+        tensors += [getattr(m.weight, "quant_state").absmax for m in model.blocks[i].modules()
+                    if getattr(getattr(m, "weight", None), "quant_state", None) is not None]  # fmt: skip
+        assert len(tensors) > 10
+        assert all(t.untyped_storage().data_ptr() == ptr for t in tensors)
     got = run(model)
     assert torch.equal(got, want)
     assert torch.equal(run(model), want)  # a second forward streams the blocks again

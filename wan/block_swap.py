@@ -62,15 +62,12 @@ class _Slot:
 
 
 def _block_slots(block: nn.Module) -> tuple[list, int]:
-    slots, seen_qs, seen_t, offset = [], set(), set(), 0
+    slots, seen_qs, offset = [], set(), 0
 
     def add(kind, owner, name, t):
         nonlocal offset
         if t is None or t.is_meta:
             raise ValueError(f"block swap: {name} has no weights (meta); swap a loaded model")
-        if id(t) in seen_t:  # the same tensor object under two names would be swapped twice
-            return
-        seen_t.add(id(t))
         slots.append(_Slot(kind, owner, name, t, offset))
         offset += -(-slots[-1].nbytes // _ALIGN) * _ALIGN
 

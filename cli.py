@@ -104,6 +104,11 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="auto", help="'auto', 'none' or H,W tile size in latent pixels")
+    p.add_argument(
+        "--swap_blocks", default="0",
+        help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
+        "block (0..num_layers, or 'auto'); less VRAM, identical results",
+    )  # fmt: skip
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
     speed.add_argument(
         "--attention", default="sdpa", choices=["sdpa", "sage"],
@@ -206,7 +211,7 @@ FLAGS = {
     "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
-    "attention": "--attention",
+    "attention": "--attention", "swap_blocks": "--swap_blocks",
 }  # fmt: skip
 
 
@@ -309,6 +314,7 @@ def run_generate(args) -> int:
         image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
         max_area=args.size, text_dim=text_dim, loras=args.lora,
         allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
+        swap_blocks=args.swap_blocks,
     )  # fmt: skip
     settings, (h, w) = plan.settings, plan.size[2:]
     log = monitor.PhaseLog()
@@ -325,7 +331,9 @@ def run_generate(args) -> int:
     del context, context_null
     with log.phase("load_vae"):
         vae = load_vae(files.vae, device)
-    switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None, loras=plan.loras)
+    switcher = ExpertSwitcher(
+        files.experts, device, quantize=args.quantize or None, loras=plan.loras, swap_blocks=plan.swap_blocks
+    )
     stats = SpeedStats()
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
     hooks.progress = lambda i, n, latent: bar.update(1)

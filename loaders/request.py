@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..wan import attention, i2v
+from ..wan.block_swap import resolve_swap_blocks
 from ..wan.config import DiTConfig, SampleConfig
 from ..wan.schedulers import SCHEDULERS
 from ..wan.speed import SpeedOptions
@@ -55,6 +56,7 @@ class Plan:
     camera: CameraInput | None = None
     loras: dict = field(default_factory=dict)  # {'high'|'low': [wan.lora.Lora]}, read and checked
     speed: SpeedOptions = SpeedOptions()  # every option off: today's exact results
+    swap_blocks: int | str = 0  # DiT blocks streamed from pinned host RAM, or 'auto' (see wan.block_swap)
 
     @property
     def tokens(self) -> int:
@@ -182,13 +184,15 @@ def plan_request(
     loras: tuple = (),
     allow_unmatched_lora_keys: bool = False,
     speed: SpeedOptions | None = None,
+    swap_blocks: int | str = 0,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
     the frame count (None: the camera's or the default), the sizing (`max_area`, or `width` and `height`)
     and, when known, the text encoder's output width. `loras` (LoraSpecs) are read and checked against
     the experts' layers here, once, so a wrong file is refused before any expert streams in. `speed`: the
-    sampling loop's speed options (attention backend checked for availability here)."""
+    sampling loop's speed options (attention backend checked for availability here). `swap_blocks`: how
+    many DiT blocks of the resident expert stream from pinned host RAM (0..num_layers, or 'auto')."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -210,10 +214,18 @@ def plan_request(
         attention.resolve(speed.attention)
     except (ValueError, ImportError, RuntimeError) as e:
         raise RequestError("attention", str(e)) from None
+    try:
+        resolve_swap_blocks(swap_blocks, config.num_layers)
+    except ValueError as e:
+        raise RequestError("swap_blocks", str(e).removeprefix("swap_blocks: ")) from None
+    if isinstance(swap_blocks, str):
+        swap_blocks = swap_blocks.strip().lower()
+        swap_blocks = swap_blocks if swap_blocks == "auto" else int(swap_blocks)
     settings = replace(settings, frame_num=frames)
     return Plan(
         size=size, frame_num=frames, settings=settings, config=config, camera=camera,
         loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed,
+        swap_blocks=swap_blocks,
     )  # fmt: skip
 
 

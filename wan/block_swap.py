@@ -181,7 +181,7 @@ class BlockSwapper:
     def unpin(self) -> None:
         """Detach from the model leaving each swapped tensor in its own pageable host copy (parking)."""
         self.finish()
-        for i, slots in self._slots.items():
+        for slots in self._slots.values():
             for s in slots:
                 s.set(s.get().clone())
         self._forget()

@@ -9,6 +9,7 @@ spellings are accepted where they differ.
 """
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
@@ -103,7 +105,7 @@ def add_generate_args(p: argparse.ArgumentParser):
     )
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
-    p.add_argument("--vae_tile", default="auto", help="'auto', 'none' or H,W tile size in latent pixels")
+    p.add_argument("--vae_tile", default="auto", help="VAE encode and decode tiles: 'auto', 'none' or H,W in latent pixels")
     p.add_argument(
         "--swap_blocks", default="0",
         help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
@@ -338,8 +340,10 @@ def run_generate(args) -> int:
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:
+        # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
+        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=tile))
         latent = pipeline.sample(
-            vae=vae, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
+            vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
         )  # fmt: skip
     finally:
         bar.close()

@@ -105,7 +105,11 @@ def add_generate_args(p: argparse.ArgumentParser):
     )
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
-    p.add_argument("--vae_tile", default="auto", help="VAE encode and decode tiles: 'auto', 'none' or H,W in latent pixels")
+    p.add_argument(
+        "--vae_tile",
+        default="auto",
+        help="VAE encode and decode tiles: 'auto', 'none' or H,W in latent pixels",
+    )
     p.add_argument(
         "--swap_blocks", default="0",
         help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "

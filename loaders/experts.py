@@ -23,6 +23,17 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
+def _to_device_except(model: torch.nn.Module, swapped: set, device) -> None:
+    """Move everything of a WanModel but the swapped blocks (which the BlockSwapper holds) to `device`."""
+    for name, child in model.named_children():
+        if name == "blocks":
+            for i, block in enumerate(child):
+                if i not in swapped:
+                    block.to(device)
+        else:
+            child.to(device)
+
+
 class ExpertSwitcher:
     """Callable `switcher('high'|'low') -> WanModel` for `wan.pipeline`."""
 
@@ -59,11 +70,14 @@ class ExpertSwitcher:
         if name == self._name:
             return self._model
         self.release()
+        # With swap the expert is assembled in host RAM and only its resident part goes to the device,
+        # so the device never holds the whole expert (the point of swapping on a small card).
+        staging = self.device if self.swap_blocks in (0, "0", None) else torch.device("cpu")
         model = self._parked.pop(name, None)
         if model is not None:
-            model = model.to(self.device)
+            model = model.to(staging)
         else:
-            model = load_expert(self.paths[name], self.device, quantize=self.quantize)
+            model = load_expert(self.paths[name], staging, quantize=self.quantize)
             self.loads += 1
             try:
                 for lora in self.loras.get(name, ()):
@@ -73,7 +87,13 @@ class ExpertSwitcher:
                 raise
         try:
             self._swapper = self._swap(model)
+            if staging != self.device:
+                swapped = set() if self._swapper is None else set(self._swapper.indices)
+                _to_device_except(model, swapped, self.device)
         except BaseException:
+            if self._swapper is not None:
+                self._swapper.close()
+                self._swapper = None
             release(model)
             raise
         self._name, self._model = name, model

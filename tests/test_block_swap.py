@@ -204,3 +204,21 @@ def test_cuda_swap_bit_identical_and_memory_returns(nf4_dir):
     torch.cuda.synchronize()
     assert torch.equal(run(model, "cuda"), want)
     assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_switcher_never_puts_the_swapped_blocks_on_the_card(nf4_dir):
+    paths = {"high": nf4_dir, "low": nf4_dir}
+    plain = ExpertSwitcher(paths, "cuda")
+    want = run(plain("high"), "cuda")
+    full = torch.cuda.memory_allocated()
+    plain.close()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    switcher = ExpertSwitcher(paths, "cuda", swap_blocks=4)
+    model = switcher("high")
+    assert torch.cuda.max_memory_allocated() - base < full - base  # loaded through host RAM
+    assert torch.equal(run(model, "cuda"), want)
+    switcher.close()
+    assert torch.cuda.memory_allocated() == base

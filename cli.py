@@ -10,6 +10,7 @@ spellings are accepted where they differ.
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
@@ -106,7 +108,16 @@ def add_generate_args(p: argparse.ArgumentParser):
     )
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
-    p.add_argument("--vae_tile", default="auto", help="'auto', 'none' or H,W tile size in latent pixels")
+    p.add_argument(
+        "--vae_tile",
+        default="auto",
+        help="VAE encode and decode tiles: 'auto', 'none' or H,W in latent pixels",
+    )
+    p.add_argument(
+        "--swap_blocks", default="0",
+        help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
+        "block (0..num_layers, or 'auto'); less VRAM, identical results",
+    )  # fmt: skip
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
     speed.add_argument(
         "--attention", default="sdpa", choices=["sdpa", "sage"],
@@ -217,7 +228,7 @@ FLAGS = {
     "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
-    "attention": "--attention", "memory": "not enough memory",
+    "attention": "--attention", "memory": "not enough memory", "swap_blocks": "--swap_blocks",
 }  # fmt: skip
 
 
@@ -329,7 +340,7 @@ def prepare_generate(args, check_memory: bool = True):
         image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
         max_area=args.size, text_dim=text_dim, loras=args.lora,
         allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
-        memory=memory_check(args, files, tile, device, free=check_memory),
+        memory=memory_check(args, files, tile, device, free=check_memory), swap_blocks=args.swap_blocks,
     )  # fmt: skip
     return device, files, tile, image, plan
 
@@ -397,13 +408,17 @@ def _generate(args, device, files, tile, image, plan, output, current) -> int:
     del context, context_null
     with phase("load_vae"):
         vae = load_vae(files.vae, device)
-    switcher = ExpertSwitcher(files.experts, device, quantize=args.quantize or None, loras=plan.loras)
+    switcher = ExpertSwitcher(
+        files.experts, device, quantize=args.quantize or None, loras=plan.loras, swap_blocks=plan.swap_blocks
+    )
     stats = SpeedStats()
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:
+        # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
+        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=tile))
         latent = pipeline.sample(
-            vae=vae, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
+            vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
         )  # fmt: skip
     finally:
         bar.close()

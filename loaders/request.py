@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..wan import attention, i2v
+from ..wan.block_swap import resolve_swap_blocks
 from ..wan.config import DiTConfig, SampleConfig
 from ..wan.schedulers import SCHEDULERS
 from ..wan.speed import SpeedOptions
@@ -56,6 +57,7 @@ class Plan:
     loras: dict = field(default_factory=dict)  # {'high'|'low': [wan.lora.Lora]}, read and checked
     speed: SpeedOptions = SpeedOptions()  # every option off: today's exact results
     memory: object = None  # loaders.planner.MemoryPlan when plan_request checked memory, else None
+    swap_blocks: int | str = 0  # DiT blocks streamed from pinned host RAM, or 'auto' (see wan.block_swap)
 
     @property
     def tokens(self) -> int:
@@ -184,6 +186,7 @@ def plan_request(
     allow_unmatched_lora_keys: bool = False,
     speed: SpeedOptions | None = None,
     memory=None,
+    swap_blocks: int | str = 0,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
@@ -192,7 +195,8 @@ def plan_request(
     the experts' layers here, once, so a wrong file is refused before any expert streams in. `speed`: the
     sampling loop's speed options (attention backend checked for availability here). `memory`: a
     `loaders.planner.MemoryCheck` (device, free memory, stored bytes): each phase's peak is predicted
-    and a request that does not fit is refused (MemoryPlanError) before anything loads."""
+    and a request that does not fit is refused (MemoryPlanError) before anything loads. `swap_blocks`:
+    how many DiT blocks of the resident expert stream from pinned host RAM (0..num_layers, or 'auto')."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -214,16 +218,26 @@ def plan_request(
         attention.resolve(speed.attention)
     except (ValueError, ImportError, RuntimeError) as e:
         raise RequestError("attention", str(e)) from None
+    try:
+        resolve_swap_blocks(swap_blocks, config.num_layers)
+    except ValueError as e:
+        raise RequestError("swap_blocks", str(e).removeprefix("swap_blocks: ")) from None
+    if isinstance(swap_blocks, str):
+        swap_blocks = swap_blocks.strip().lower()
+        swap_blocks = swap_blocks if swap_blocks == "auto" else int(swap_blocks)
     settings = replace(settings, frame_num=frames)
     memory_plan = None
     if memory is not None:
         from .planner import Planner
 
-        request = replace(memory.request, compile=bool(speed.compile))
+        request = replace(memory.request, compile=bool(speed.compile), swap_blocks=swap_blocks)
         memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
+        if swap_blocks == "auto" and memory.free_vram is not None:  # the least swapping that fits
+            swap_blocks = memory_plan.swap_blocks
     return Plan(
         size=size, frame_num=frames, settings=settings, config=config, camera=camera,
         loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed, memory=memory_plan,
+        swap_blocks=swap_blocks,
     )  # fmt: skip
 
 

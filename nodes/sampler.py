@@ -166,6 +166,7 @@ class LingBotSampler:
             plan = plan_request(
                 img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, loras=experts.loras,
                 allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, speed=speed, memory=check, **sizing,
+                swap_blocks=experts.swap_blocks,
             )  # fmt: skip
             inputs = plan.inputs(img, text.context, text.context_null, device)
         except RequestError as e:

@@ -29,9 +29,9 @@ class VAEHandle:
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """For wan.pipeline.sample: on the VAE device only while encoding."""
         frames, h, w = video.shape[1:]
-        work = self.model.decode_bytes_per_latent_pixel() * (h // SPATIAL_STRIDE) * (w // SPATIAL_STRIDE)
-        with memory.on_device(self.model, self.device, work):
-            return self.model.encode(video).to("cpu")
+        work = self.model.encode_bytes_per_latent_pixel() * (h // SPATIAL_STRIDE) * (w // SPATIAL_STRIDE)
+        with memory.on_device(self.model, self.device, work):  # room for a whole-frame encode if it can
+            return self.model.encode(video, tile="auto").to("cpu")  # tiles when less is free
 
     def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
         return self.model.to_comfy_latent(latent)

@@ -111,3 +111,16 @@ def test_bench_t5(tmp_path):
         assert inproc["wall_s"] >= inproc["encode_s"] > 0
         assert 0 <= run["cache_hit_s"] < sub["wall_s"]  # a cache hit starts no child
     assert s["checkpoint_gb"] > 0 and s["baseline_upstream_style"]["wall_s"] > 0
+
+
+def test_bench_swap(tmp_path):
+    s = run_tiny("bench_swap.py", tmp_path)
+    levels = s["levels"]
+    assert sorted(int(k) for k in levels) == [0, s["num_layers"] // 2, s["num_layers"]]
+    for key, r in levels.items():
+        assert r["swap_blocks"] == int(key) and r["bit_identical"] is True  # swap never changes results
+        assert r["step_s"] == min(r["steps_s"]) > 0
+        assert r["over_no_swap"] == pytest.approx(r["step_s"] / levels["0"]["step_s"], abs=1e-3)
+    # the swapper pins every swapped block and only those: host bytes grow with the level
+    assert levels["0"]["host_bytes"] == 0 < levels["1"]["host_bytes"] < levels["2"]["host_bytes"]
+    assert s["all_swapped"]["le_1.15x"] == (s["all_swapped"]["over_no_swap"] <= 1.15)

@@ -243,3 +243,19 @@ def test_bad_arguments(nf4_ckpt, shipped_example, tmp_path, flag, value):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(args)
     assert exit_info.value.code not in (0, None)
+
+
+def test_cli_swap_blocks_gives_the_same_latent(nf4_ckpt, shipped_example, tmp_path):
+    from safetensors.torch import load_file
+
+    latents = {}
+    for swap in ("0", "2", "auto"):
+        out, lat = tmp_path / f"s{swap}.mp4", tmp_path / f"s{swap}.latent"
+        args = generate_args(nf4_ckpt, shipped_example, out, "--t5_mode", "inprocess", "--swap_blocks", swap)
+        assert cli.main([*args, "--save_latent", str(lat)]) == 0
+        latents[swap] = load_file(lat)
+    assert latents["0"].keys() == latents["2"].keys() == latents["auto"].keys()
+    for k, v in latents["0"].items():
+        assert torch.equal(v, latents["2"][k]) and torch.equal(v, latents["auto"][k]), k
+    args = generate_args(nf4_ckpt, shipped_example, tmp_path / "x.mp4", "--swap_blocks", "99")
+    assert cli.main(args) != 0

@@ -160,3 +160,20 @@ def test_doctor_missing_libraries_and_broken_ckpt(monkeypatch, demo_ckpt, tmp_pa
     checks = {c.name: c for c in doctor.check_checkpoints(broken)}
     bad = [c for c in checks.values() if not c.ok]
     assert bad and any(vae.name in c.detail for c in bad)
+
+
+def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
+    """`swap_blocks auto` with a memory check: the Plan carries the planner's choice, which fits."""
+    from lingbot_world.loaders.request import plan_request
+    from lingbot_world.wan.config import SampleConfig
+
+    request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu")
+    check = mp.MemoryCheck(request, "cuda", free_vram=12 * GIB)
+    plan = plan_request(
+        (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto"
+    )
+    assert isinstance(plan.swap_blocks, int) and 0 < plan.swap_blocks < 40
+    assert plan.swap_blocks == plan.memory.swap_blocks and plan.memory.peak_vram <= 12 * GIB
+    roomy = plan_request((480, 832), A14B, SampleConfig(), max_area=480 * 832, swap_blocks="auto",
+                         memory=mp.MemoryCheck(request, "cuda", free_vram=40 * GIB))  # fmt: skip
+    assert roomy.swap_blocks == 0

@@ -363,3 +363,13 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     )  # fmt: skip
     assert out["samples"].shape == saved["latent_tensor"].shape == (1, 16, 3, 6, 14)
     assert torch.equal(out["samples"], saved["latent_tensor"])
+
+
+def test_swap_blocks_is_checked_and_kept_on_the_plan():
+    assert plan().swap_blocks == 0
+    assert plan(swap_blocks=CAM.num_layers).swap_blocks == CAM.num_layers
+    assert plan(swap_blocks="auto").swap_blocks == "auto" and plan(swap_blocks=" 1 ").swap_blocks == 1
+    for bad in (CAM.num_layers + 1, -1, "many", 1.5):
+        with pytest.raises(request.RequestError, match=r"in \[0, ") as err:
+            plan(swap_blocks=bad)
+        assert err.value.param == "swap_blocks"

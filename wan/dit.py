@@ -314,6 +314,8 @@ class WanModel(nn.Module):
         # None: call each block directly. Otherwise run_block(block, *block_args), e.g. one compiled
         # function shared by all blocks (see wan.speed.block_runner).
         self.block_runner = None
+        # None, or a wan.block_swap.BlockSwapper streaming some blocks' weights from host RAM.
+        self.block_swap = None
 
     @classmethod
     def from_config(cls, config: DiTConfig) -> "WanModel":
@@ -384,12 +386,20 @@ class WanModel(nn.Module):
                 "lat_f/lat_h/lat_w must match the latent"
             )
         freqs = self._rope(x.device)
-        run = self.block_runner
-        for block in self.blocks:
-            if run is None:
-                x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
-            else:
-                x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
+        run, swap = self.block_runner, self.block_swap
+        try:
+            for i, block in enumerate(self.blocks):
+                if swap is not None:
+                    swap.before(i)
+                if run is None:
+                    x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
+                else:
+                    x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
+                if swap is not None:
+                    swap.after(i)
+        finally:
+            if swap is not None:
+                swap.finish()  # an error or interrupt mid-forward leaves no swapped block on the device
         x = self.head(x, e)
         # Upstream unpatchifies inside its bf16 autocast region, where einsum casts the fp32 head
         # output to bf16: the prediction is bf16-rounded before the final .float().

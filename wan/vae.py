@@ -362,9 +362,42 @@ class WanVAE(nn.Module):
         return from_comfy_latent(samples, self.latent_mean, self.latent_std)
 
     @torch.no_grad()
-    def encode(self, video: torch.Tensor) -> torch.Tensor:
-        """[3, F, H, W] in [-1, 1], F = 4n+1, H and W multiples of 8 -> normalised latent [z, n+1, H/8, W/8] fp32."""
+    def encode(self, video: torch.Tensor, tile=None, overlap: int = DEFAULT_OVERLAP) -> torch.Tensor:
+        """[3, F, H, W] in [-1, 1], F = 4n+1, H and W multiples of 8 -> normalised latent [z, n+1, H/8, W/8] fp32.
+
+        tile: None (whole frame), 'auto' (from free VRAM; whole frame on CPU) or (tile_h, tile_w) in
+        latent pixels (8 video pixels each); neighbouring tiles share `overlap` latent pixels, blended
+        linearly in the latent. Each tile streams through all frames with its own cache and only its
+        pixels are moved to the device. Untiled (one tile) gives exactly today's result.
+        """
         check_video(video)
+        s = SPATIAL_STRIDE
+        h, w = video.shape[2] // s, video.shape[3] // s
+        if tile == "auto":
+            budget = free_vram(self.device)
+            bpp = self.encode_bytes_per_latent_pixel()
+            tile = pick_tile(self, h, w, budget, overlap, bytes_per_pixel=bpp, what="encode")
+        if tile is None:
+            return normalize_latent(self._encode_tile(video)[0], self.latent_mean, self.latent_std)
+        check_tile(tile, overlap)
+        ys, xs = tile_spans(h, tile[0], overlap), tile_spans(w, tile[1], overlap)
+        if len(ys) * len(xs) == 1:
+            return normalize_latent(self._encode_tile(video)[0], self.latent_mean, self.latent_std)
+        t = (video.shape[1] - 1) // TEMPORAL_STRIDE + 1
+        mu = torch.zeros(self.z_dim, t, h, w, dtype=torch.float32, device=self.device)
+        weight_sum = torch.zeros(h, w, dtype=torch.float32, device=self.device)
+        for iy, (y0, y1) in enumerate(ys):
+            for ix, (x0, x1) in enumerate(xs):
+                wmap = torch.outer(_ramp(ys, iy, 1), _ramp(xs, ix, 1)).to(self.device)
+                weight_sum[y0:y1, x0:x1] += wmap
+                part = self._encode_tile(video[:, :, y0 * s : y1 * s, x0 * s : x1 * s])[0]
+                mu[:, :, y0:y1, x0:x1] += part.float().mul_(wmap)
+                del part
+        mu /= weight_sum
+        return normalize_latent(mu.to(self.dtype), self.latent_mean, self.latent_std)
+
+    def _encode_tile(self, video: torch.Tensor) -> torch.Tensor:
+        """[3, F, H, W] -> unnormalised mu [1, z, n+1, H/8, W/8] in the model dtype, one causal stream."""
         x = video.to(self.device, self.dtype).unsqueeze(0)
         cache: Cache = {}
         # first frame alone, then 4-frame chunks, each giving one latent frame
@@ -374,7 +407,26 @@ class WanVAE(nn.Module):
         del cache, x
         mu = self.conv1(torch.cat(chunks, dim=2))[:, : self.z_dim]
         del chunks
-        return normalize_latent(mu[0], self.latent_mean, self.latent_std)
+        return mu
+
+    def encode_bytes_per_latent_pixel(self) -> int:
+        """Analytic peak encode memory per latent pixel of a tile (model dtype), the way
+        `decode_bytes_per_latent_pixel` counts: every cached causal conv's CACHE_T input frames at its
+        resolution, plus the widest conv's input, padded input, output and new cache for a chunk of
+        TEMPORAL_STRIDE frames (halved by each temporal downsample), plus the input tile itself."""
+        enc = self.encoder
+        area, frames = SPATIAL_STRIDE**2, TEMPORAL_STRIDE
+        cache_elems = peak = 0
+        for block in (enc.conv1, *enc.downsamples, *enc.middle, *enc.head):
+            for m in block.modules():
+                if isinstance(m, CausalConv3d) and m.time_pad > 0:
+                    cache_elems += CACHE_T * m.in_channels * area
+                    peak = max(peak, (3 * frames + CACHE_T) * m.in_channels * area)
+            if isinstance(block, Resample):
+                area //= 4
+                if block.mode == "downsample3d":
+                    frames = max(1, frames // 2)
+        return (cache_elems + peak + 3 * TEMPORAL_STRIDE * SPATIAL_STRIDE**2) * self.dtype.itemsize
 
     @torch.no_grad()
     def decode(
@@ -514,15 +566,25 @@ def free_vram(device) -> int | None:
 
 
 def pick_tile(
-    vae: WanVAE, h: int, w: int, budget: int | None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2
+    vae: WanVAE,
+    h: int,
+    w: int,
+    budget: int | None,
+    overlap: int = DEFAULT_OVERLAP,
+    chunk_frames: int = 2,
+    bytes_per_pixel: int | None = None,
+    what: str = "decode",
 ):
     """(tile_h, tile_w) latent pixels whose estimated decode peak fits `budget` bytes, choosing the
     tile grid that decodes the least total area; None when the whole frame fits or no budget is
     known (CPU). If nothing fits, the smallest sensible tile (2*overlap + 8) is returned with a warning.
+    `bytes_per_pixel` replaces the decode estimate (the encode passes its own).
     """
     if budget is None:
         return None
-    area = max(budget, 0) / (vae.decode_bytes_per_latent_pixel(chunk_frames) * AUTO_SAFETY)
+    if bytes_per_pixel is None:
+        bytes_per_pixel = vae.decode_bytes_per_latent_pixel(chunk_frames)
+    area = max(budget, 0) / (bytes_per_pixel * AUTO_SAFETY)
     if h * w <= area:
         return None
 
@@ -546,7 +608,7 @@ def pick_tile(
     if best is None:
         smallest = (min(h, 2 * overlap + 8), min(w, 2 * overlap + 8))
         warnings.warn(
-            f"VAE decode: {budget / 2**30:.1f} GiB free is below the estimate even for tile {smallest}",
+            f"VAE {what}: {budget / 2**30:.1f} GiB free is below the estimate even for tile {smallest}",
             stacklevel=2,
         )
         return smallest

@@ -1,0 +1,224 @@
+"""Block swap (wan/block_swap.py, ExpertSwitcher(swap_blocks=...)): outputs bit-identical to no swap
+for all blocks, some blocks and with a LoRA attached; the swapper leaves nothing on the device or in
+its own hands after a run, an error and an interrupt; bad settings are refused naming swap_blocks."""
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from lingbot_world.loaders import synthetic as S
+from lingbot_world.loaders.experts import ExpertSwitcher
+from lingbot_world.loaders.stream import load_expert
+from lingbot_world.wan.block_swap import BlockSwapper, resolve_swap_blocks
+from lingbot_world.wan.lora import Lora, attach_lora
+
+CFG = S.tiny_config(num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def nf4_dir(tmp_path_factory):
+    return S.write_nf4_expert(tmp_path_factory.mktemp("swap") / "nf4", CFG, seed=3, mode="quantize")
+
+
+def load(path, device="cpu"):
+    model = load_expert(path, device)
+    for m in model.modules():  # keep bnb's portable CPU kernel (see loaders/stream.py)
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def inputs(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 4, 4, generator=g)
+    y = torch.randn(20, 2, 4, 4, generator=g)
+    ctx = torch.randn(7, CFG.text_dim, generator=g)
+    cam = torch.randn(1, 384, 2, 4, 4, generator=g)
+    return [v.to(device) for v in (x, torch.tensor([700.0]), ctx, y, cam)]
+
+
+def run(model, device="cpu"):
+    x, t, ctx, y, cam = inputs(device)
+    with torch.no_grad():
+        return model(x, t, ctx, y=y, cam=cam)
+
+
+def block_state(model, i):
+    return {k: v.clone() for k, v in model.blocks[i].state_dict().items()}
+
+
+def lora_for(model):
+    g = torch.Generator().manual_seed(9)
+    patches = {}
+    for target in ("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0.cross_attn.o"):
+        layer = model.get_submodule(target)
+        patches[target] = (
+            torch.randn(4, layer.in_features, generator=g) * 0.3,
+            torch.randn(layer.out_features, 4, generator=g) * 0.3,
+            8.0,
+            None,
+            torch.randn(layer.out_features, generator=g) * 0.1,
+        )
+    patches["blocks.3.norm3"] = (None, None, None, torch.randn(CFG.dim, generator=g) * 0.1, None)
+    return Lora(patches, 1.0, "test")
+
+
+@pytest.mark.parametrize("n", [4, 2, 1])
+def test_swap_is_bit_identical(nf4_dir, n):
+    model = load(nf4_dir)
+    want = run(model)
+    before = block_state(model, 3)
+    swapper = BlockSwapper(model, n)
+    assert model.block_swap is swapper and swapper.indices == list(range(4 - n, 4))
+    assert swapper.host_bytes > 0
+    for i in swapper.indices:  # every tensor of a swapped block (4-bit data, quant state, norms) lives in it
+        ptr = swapper._host[i].data_ptr()
+        tensors = [*model.blocks[i].parameters(), *model.blocks[i].buffers()]
+        tensors += [m.weight.quant_state.absmax for m in model.blocks[i].modules()
+                    if getattr(getattr(m, "weight", None), "quant_state", None) is not None]  # fmt: skip
+        assert len(tensors) > 10
+        assert all(t.untyped_storage().data_ptr() == ptr for t in tensors)
+    got = run(model)
+    assert torch.equal(got, want)
+    assert torch.equal(run(model), want)  # a second forward streams the blocks again
+    assert not swapper._live  # nothing fetched left behind after a forward
+    after = block_state(model, 3)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    swapper.unpin()
+    assert model.block_swap is None and not swapper._host and not swapper._slots
+    assert torch.equal(run(model), want)  # the model still works in pageable RAM
+
+
+def test_swap_with_lora_attached_is_bit_identical(nf4_dir):
+    model = load(nf4_dir)
+    plain = run(model)
+    attach_lora(model, lora_for(model))
+    want = run(model)
+    assert (want - plain).abs().max() > 1e-3  # the LoRA matters
+    BlockSwapper(model, 3)
+    assert torch.equal(run(model), want)
+
+
+def test_swap_zero_is_a_no_op(nf4_dir):
+    model = load(nf4_dir)
+    swapper = BlockSwapper(model, 0)
+    assert model.block_swap is None and swapper.host_bytes == 0
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
+def test_error_or_interrupt_mid_forward_drops_the_fetched_blocks(nf4_dir, exc):
+    model = load(nf4_dir)
+    want = run(model)
+    swapper = BlockSwapper(model, 4)
+    host_ptrs = {i: swapper._host[i].data_ptr() for i in swapper.indices}
+
+    def fail(*args):
+        raise exc("stop")
+
+    handle = model.blocks[2].register_forward_pre_hook(fail)
+    with pytest.raises(exc):
+        run(model)
+    assert not swapper._live
+    for i in swapper.indices:  # every swapped tensor points back into its host buffer
+        for s in swapper._slots[i]:
+            t = s.get()
+            assert t.untyped_storage().data_ptr() == host_ptrs[i], (i, s.name)
+    handle.remove()
+    assert torch.equal(run(model), want)  # and the next run is still exact
+
+
+def test_close_frees_everything(nf4_dir):
+    model = load(nf4_dir)
+    swapper = BlockSwapper(model, 2)
+    run(model)
+    swapper.close()
+    assert model.block_swap is None
+    assert not swapper._host and not swapper._slots and not swapper._live and swapper.host_bytes == 0
+    assert all(p.is_meta for p in model.blocks[3].parameters())
+    assert not any(p.is_meta for p in model.blocks[1].parameters())
+
+
+def test_bad_settings_are_refused(nf4_dir):
+    model = load(nf4_dir)
+    with pytest.raises(ValueError, match="swap_blocks"):
+        BlockSwapper(model, 5)
+    with pytest.raises(ValueError, match="swap_blocks"):
+        BlockSwapper(model, True)
+    BlockSwapper(model, 1)
+    with pytest.raises(ValueError, match="already has a swapper"):
+        BlockSwapper(model, 1)
+    with pytest.raises(ValueError, match="WanModel"):
+        BlockSwapper(torch.nn.Linear(2, 2), 1)
+    assert resolve_swap_blocks("auto", 40) == 40
+    assert resolve_swap_blocks("12", 40) == 12 and resolve_swap_blocks(None, 40) == 0
+    for bad in (41, -1, "x", 2.5):
+        with pytest.raises(ValueError, match="swap_blocks"):
+            resolve_swap_blocks(bad, 40)
+
+
+def test_switcher_swaps_each_load_and_releases(nf4_dir):
+    paths = {"high": nf4_dir, "low": nf4_dir}
+    plain = ExpertSwitcher(paths, "cpu")
+    want = run(plain("high"))
+    plain.close()
+    switcher = ExpertSwitcher(paths, "cpu", swap_blocks=3)
+    model = switcher("high")
+    swapper = model.block_swap
+    assert swapper is not None and swapper.indices == [1, 2, 3]
+    assert torch.equal(run(model), want)
+    low = switcher("low")  # the switch closes the old expert's swapper before the next load
+    assert not swapper._host and low.block_swap is not None and low.block_swap is not swapper
+    switcher.close()
+    assert low.block_swap is None and switcher._swapper is None
+
+
+def test_switcher_parking_unpins(nf4_dir):
+    paths = {"high": nf4_dir, "low": nf4_dir}
+    switcher = ExpertSwitcher(paths, "cpu", swap_blocks=2, ram_budget=1 << 40)
+    model = switcher("high")
+    want = run(model)
+    swapper = model.block_swap
+    switcher("low")
+    assert not swapper._host and model.block_swap is None  # parked without a swapper (pageable)
+    again = switcher("high")
+    assert again is model and again.block_swap is not None
+    assert torch.equal(run(again), want)
+    switcher.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_swap_bit_identical_and_memory_returns(nf4_dir):
+    model = load(nf4_dir, "cuda")
+    want = run(model, "cuda")
+    base = torch.cuda.memory_allocated()
+    swapper = BlockSwapper(model, 3)
+    assert torch.cuda.memory_allocated() < base
+    assert all(swapper._host[i].is_pinned() for i in swapper.indices)
+    assert torch.equal(run(model, "cuda"), want)
+    swapper.unpin()
+    model.to("cuda")
+    torch.cuda.synchronize()
+    assert torch.equal(run(model, "cuda"), want)
+    assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_switcher_never_puts_the_swapped_blocks_on_the_card(nf4_dir):
+    paths = {"high": nf4_dir, "low": nf4_dir}
+    plain = ExpertSwitcher(paths, "cuda")
+    want = run(plain("high"), "cuda")
+    full = torch.cuda.memory_allocated()
+    plain.close()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    switcher = ExpertSwitcher(paths, "cuda", swap_blocks=4)
+    model = switcher("high")
+    assert torch.cuda.max_memory_allocated() - base < full - base  # loaded through host RAM
+    assert torch.equal(run(model, "cuda"), want)
+    switcher.close()
+    assert torch.cuda.memory_allocated() == base

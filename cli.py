@@ -38,7 +38,7 @@ from .loaders.experts import ExpertSwitcher
 from .loaders.formats import detect_expert_format
 from .loaders.latent_file import save_comfy_latent
 from .loaders.lora import LoraSpec, parse_lora_spec
-from .loaders.request import RequestError, plan_request
+from .loaders.request import RequestError, check_lora_merge, plan_request
 from .loaders.text_encoder import read_encoder_config
 from .loaders.vae import check_vae, load_vae
 from .wan import i2v, pipeline
@@ -106,6 +106,11 @@ def add_generate_args(p: argparse.ArgumentParser):
         action="store_true",
         help="warn about LoRA keys that match no layer, not fail",
     )
+    p.add_argument(
+        "--lora_merge", action="store_true",
+        help="with --quantize on bf16/fp32 experts: merge the LoRAs into the weights before quantizing "
+        "(no side path at run time; changing them needs a reload)",
+    )  # fmt: skip
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument(
@@ -229,6 +234,7 @@ FLAGS = {
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
     "attention": "--attention", "memory": "not enough memory", "swap_blocks": "--swap_blocks",
+    "lora_merge": "--lora_merge",
 }  # fmt: skip
 
 
@@ -328,6 +334,8 @@ def prepare_generate(args, check_memory: bool = True):
     files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
     text_dim = read_encoder_config(files.text_encoder)["dim"]
     check_vae(files.vae)
+    if getattr(args, "lora_merge", False):
+        check_lora_merge(files.experts, args.quantize, args.lora)
     tile = vae_tile(args.vae_tile)
     image = load_image(args.image)
     cam_input = camera_input(args, image.shape[1:])
@@ -409,7 +417,12 @@ def _generate(args, device, files, tile, image, plan, output, current) -> int:
     with phase("load_vae"):
         vae = load_vae(files.vae, device)
     switcher = ExpertSwitcher(
-        files.experts, device, quantize=args.quantize or None, loras=plan.loras, swap_blocks=plan.swap_blocks
+        files.experts,
+        device,
+        quantize=args.quantize or None,
+        loras=plan.loras,
+        swap_blocks=plan.swap_blocks,
+        merge_loras=args.lora_merge,
     )
     stats = SpeedStats()
     bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")

@@ -46,6 +46,7 @@ class ExpertSwitcher:
         on_load=None,
         loras=None,
         swap_blocks=0,
+        merge_loras: bool = False,
     ):
         missing = {"high", "low"} - set(paths)
         if missing:
@@ -57,6 +58,7 @@ class ExpertSwitcher:
         self.on_load = on_load  # optional callback(name, model) after a load, e.g. for logging
         # {'high'|'low': [wan.lora.Lora]}: attached after each load from disk (parked experts keep theirs)
         self.loras = loras or {}
+        self.merge_loras = merge_loras  # merge them into the dense weights before quantizing instead
         self.loads = 0  # how many times an expert was streamed from disk
         self._name = None
         self._model = None
@@ -77,10 +79,11 @@ class ExpertSwitcher:
         if model is not None:
             model = model.to(staging)
         else:
-            model = load_expert(self.paths[name], staging, quantize=self.quantize)
+            merge = self.loras.get(name, ()) if self.merge_loras else ()
+            model = load_expert(self.paths[name], staging, quantize=self.quantize, merge_loras=merge)
             self.loads += 1
             try:
-                for lora in self.loras.get(name, ()):
+                for lora in () if self.merge_loras else self.loras.get(name, ()):
                     attach_lora(model, lora)
             except BaseException:
                 release(model)

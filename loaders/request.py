@@ -241,6 +241,22 @@ def plan_request(
     )  # fmt: skip
 
 
+def check_lora_merge(paths: dict, quantize, loras) -> None:
+    """Merging LoRAs before quantization needs original bf16/fp32 experts that are quantized while
+    they stream in (the NF4 repack's 4-bit weights cannot take a dense delta)."""
+    if not loras:
+        raise RequestError("lora_merge", "no LoRA given to merge")
+    if not quantize:
+        raise RequestError("lora_merge", "merging happens before quantization: it needs --quantize")
+    stored_nf4 = [str(p) for p in paths.values() if detect_expert_format(p).quantized]
+    if stored_nf4:
+        raise RequestError(
+            "lora_merge",
+            f"these experts are stored as NF4 ({', '.join(stored_nf4)}); merging needs the original "
+            "bf16/fp32 experts (upstream's folders) — NF4 experts take LoRAs as a side path",
+        )
+
+
 def read_expert_loras(specs, config: DiTConfig, allow_unmatched: bool = False) -> dict:
     """{'high': [Lora], 'low': [Lora]} for LoraSpecs, checked against the experts' structure (meta)."""
     specs = tuple(specs)

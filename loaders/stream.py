@@ -19,6 +19,7 @@ from torch import nn
 
 from ..wan.config import DiTConfig
 from ..wan.dit import WanModel
+from ..wan.lora import merge_into_weight
 from .formats import (
     CheckpointError,
     ExpertSource,
@@ -227,7 +228,7 @@ def quantize_nf4(weight: torch.Tensor, dtype: torch.dtype):
 
 
 def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtype, staging_bytes,
-          check_interrupt=lambda: None) -> WanModel:  # fmt: skip
+          check_interrupt=lambda: None, merge=()) -> WanModel:  # fmt: skip
     import bitsandbytes.functional as bnb_f
 
     _, linears = expected_layout(src.dit_config)
@@ -267,12 +268,13 @@ def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtyp
             elif ref.name.endswith(".weight") and ref.name[:-7] in four_bit:
                 # the dense weight exists once, transiently: on the device, or (CPU) as file pages
                 weight = view if device.type == "cpu" else placer.place(view)
+                weight = merge_into_weight(ref.name, weight, merge)  # LoRAs merged before quantizing
                 packed, qs = quantize_nf4(weight, dtype or view.dtype)
                 del weight
                 _set(model, ref.name, _params4bit(packed, qs), qs)
             else:
                 target = dense_dtype if view.dtype.is_floating_point else None
-                _set(model, ref.name, placer.place(view, target))
+                _set(model, ref.name, merge_into_weight(ref.name, placer.place(view, target), merge))
             del view
     finally:
         placer.close()
@@ -285,7 +287,8 @@ def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtyp
 
 
 def load_expert(source, device=None, quantize: bool | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                compute_dtype: torch.dtype = torch.bfloat16, staging_bytes: int | None = None) -> WanModel:  # fmt: skip
+                compute_dtype: torch.dtype = torch.bfloat16, staging_bytes: int | None = None,
+                merge_loras=()) -> WanModel:  # fmt: skip
     """Load one expert into a `WanModel` on `device` (default: CUDA when present, else CPU).
 
     source: a path (anything `detect_expert_format` takes) or an ExpertSource.
@@ -296,6 +299,8 @@ def load_expert(source, device=None, quantize: bool | None = None, dtype: torch.
     quantization; NF4 checkpoints keep every stored 16-bit tensor as stored.
     staging_bytes: pinned staging buffer size for CUDA (default 64 MiB x 2; 0 copies straight
     from the file's pages).
+    merge_loras: `wan.lora.Lora`s added into the dense tensors of an original (bf16/fp32) expert as
+    they stream in, before quantization; an NF4 checkpoint's 4-bit weights cannot take them.
 
     The model is in eval mode with requires_grad False. Free it with `release(model)`. On any
     error everything allocated so far is freed before the exception propagates; an interrupt
@@ -309,7 +314,21 @@ def load_expert(source, device=None, quantize: bool | None = None, dtype: torch.
         with InterruptGuard() as guard:
             src = source if isinstance(source, ExpertSource) else detect_expert_format(source)
             guard.check()
-            args = (src, device, quantize, dtype, compute_dtype, staging_bytes, guard.check)
+            if merge_loras and src.quantized:
+                raise ValueError(
+                    f"{src.path}: LoRAs can be merged only into original bf16/fp32 experts quantized while "
+                    "loading; this expert is stored as NF4 (use the LoRA side path instead)"
+                )
+            args = (
+                src,
+                device,
+                quantize,
+                dtype,
+                compute_dtype,
+                staging_bytes,
+                guard.check,
+                tuple(merge_loras),
+            )
             if device.type == "cuda":
                 with torch.cuda.device(device):
                     return _load(*args)

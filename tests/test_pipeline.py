@@ -17,6 +17,7 @@ from lingbot_world.loaders.video import read_mp4_info
 from lingbot_world.wan import i2v, pipeline, schedulers
 from lingbot_world.wan.config import SampleConfig
 from lingbot_world.wan.speed import SpeedOptions, SpeedStats
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.usefixtures("embedding_cache")
 
@@ -259,3 +260,24 @@ def test_cli_swap_blocks_gives_the_same_latent(nf4_ckpt, shipped_example, tmp_pa
         assert torch.equal(v, latents["2"][k]) and torch.equal(v, latents["auto"][k]), k
     args = generate_args(nf4_ckpt, shipped_example, tmp_path / "x.mp4", "--swap_blocks", "99")
     assert cli.main(args) != 0
+
+
+def test_cli_merges_a_lora_into_bf16_experts_while_quantizing(
+    upstream_ckpt, shipped_example, tmp_path, capsys
+):
+    """--quantize --lora_merge on upstream's bf16 experts: runs, and changes the result like the side path does."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    dim = checkpoints.resolve_checkpoint_dir(upstream_ckpt).config.dim
+    lora = tmp_path / "l.safetensors"
+    save_file({"lora_unet_blocks_0_self_attn_q.lora_down.weight": torch.randn(2, dim, generator=g),
+               "lora_unet_blocks_0_self_attn_q.lora_up.weight": torch.randn(dim, 2, generator=g)}, str(lora))  # fmt: skip
+    latents = {}
+    for name, extra in (("plain", []), ("merged", ["--lora", str(lora), "--lora_merge"])):
+        out = tmp_path / f"{name}.latent"
+        args = generate_args(upstream_ckpt, shipped_example, tmp_path / f"{name}.mp4", "--quantize",
+                             "--t5_mode", "inprocess", "--save_latent", str(out), *extra)  # fmt: skip
+        assert cli.main(args) == 0, capsys.readouterr().err
+        latents[name] = load_file(str(out))["latent_tensor"]
+    assert not torch.equal(latents["plain"], latents["merged"])

@@ -373,3 +373,35 @@ def test_swap_blocks_is_checked_and_kept_on_the_plan():
         with pytest.raises(request.RequestError, match=r"in \[0, ") as err:
             plan(swap_blocks=bad)
         assert err.value.param == "swap_blocks"
+
+
+def test_lora_merged_before_quantization(nf4_ckpt, tmp_path, capsys):
+    """--lora_merge: the LoRA is added into an original bf16 expert's dense weights as they stream in (here
+    kept dense, to compare exactly), and refused for NF4 experts, which cannot take a dense delta."""
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.loaders.lora import read_lora
+    from lingbot_world.loaders.stream import build_expert_meta, load_expert
+
+    config = checkpoints.resolve_checkpoint_dir(nf4_ckpt).config
+    expert = synthetic.write_diffusers_expert(tmp_path / "bf16", config, seed=3)
+    lora = read_lora(
+        LoraSpec(tiny_lora(tmp_path / "l.safetensors", config), 0.5), build_expert_meta(config, set())
+    )
+    plain = load_expert(tmp_path / "bf16", "cpu", quantize=False)
+    merged = load_expert(tmp_path / "bf16", "cpu", quantize=False, merge_loras=[lora])
+    p = lora.patches["blocks.0.self_attn.q"]
+    want = (plain.blocks[0].self_attn.q.weight.float() + 0.5 * p.scale * (p.up.float() @ p.down.float())).to(
+        plain.blocks[0].self_attn.q.weight.dtype
+    )
+    assert torch.equal(merged.blocks[0].self_attn.q.weight, want)
+    assert torch.equal(merged.blocks[0].self_attn.k.weight, plain.blocks[0].self_attn.k.weight)  # untouched
+    del expert
+    with pytest.raises(ValueError, match="stored as NF4"):
+        load_expert(nf4_ckpt / "high_noise_model_bnb_nf4", "cpu", merge_loras=[lora])
+    args = args_for(
+        nf4_ckpt, ROOT / "examples" / "00", tmp_path / "o.mp4", "--lora", str(tmp_path / "l.safetensors")
+    )
+    assert cli.main([*args, "--lora_merge"]) == 2
+    assert "--lora_merge: merging happens before quantization: it needs --quantize" in capsys.readouterr().err
+    assert cli.main([*args, "--lora_merge", "--quantize"]) == 2
+    assert "--lora_merge: these experts are stored as NF4" in capsys.readouterr().err

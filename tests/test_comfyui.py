@@ -22,6 +22,7 @@ WORKFLOW = ROOT / "example_workflows" / "lingbot_world_nf4_i2v.json"
 PRESET_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_camera_preset.json"
 NATIVE_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_native_text_vae.json"
 FAST_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_fast_preset.json"
+SMALL_CARD_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_12gb.json"
 API_WORKFLOW = ROOT / "workflows" / "api" / "lingbot_world_nf4_i2v_api.json"
 NODE_IDS = {
     "LingBotExpertsLoader",
@@ -133,7 +134,9 @@ def test_pack_registers_nodes_under_any_folder_name(server):
 
 
 @pytest.mark.parametrize(
-    "workflow", [WORKFLOW, PRESET_WORKFLOW, NATIVE_WORKFLOW, FAST_WORKFLOW], ids=lambda p: p.stem
+    "workflow",
+    [WORKFLOW, PRESET_WORKFLOW, NATIVE_WORKFLOW, FAST_WORKFLOW, SMALL_CARD_WORKFLOW],
+    ids=lambda p: p.stem,
 )
 def test_workflow_files_are_consistent(server, workflow):
     ui = json.loads(workflow.read_text())
@@ -246,6 +249,17 @@ def test_fast_preset_runs_with_loras_and_one_forward_a_step(server):
     entry = server.wait_history(server.queue_prompt(prompt), timeout=150)
     assert len(saved_video(server, entry)) == 9
     assert "transformer forwards: 6 run, 0 skipped" in server.log(400), server.log(400)
+
+
+def test_small_card_preset_swaps_blocks_and_encodes_text_on_the_cpu(server):
+    """The 12 GB preset end to end: blocks swapped to host RAM (all of the tiny experts' 2), umT5 on the CPU."""
+    prompt = tiny_prompt(server, SMALL_CARD_WORKFLOW)
+    loader = next(n["inputs"] for n in prompt.values() if n["class_type"] == "LingBotExpertsLoader")
+    text = next(n["inputs"] for n in prompt.values() if n["class_type"] == "LingBotTextEncode")
+    assert loader["swap_blocks"] == 24 and text["device"] == "cpu"
+    loader["swap_blocks"] = 2  # the tiny experts have 2 blocks
+    entry = server.wait_history(server.queue_prompt(prompt), timeout=150)
+    assert len(saved_video(server, entry)) == 9
 
 
 def test_speed_node_with_comfy_attention_and_step_cache(server):

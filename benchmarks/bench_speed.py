@@ -217,6 +217,26 @@ def kernel_floor(cfg, tokens: int, device, repeats: int, forwards: int) -> dict:
     }
 
 
+def load_random_expert(scale: str, workdir: Path | None):
+    """(device, config, the loaded expert, load seconds): a random NF4 expert written under `workdir`
+    (reused when there; a temporary folder without one), full A14B size or tiny."""
+    cuda = torch.cuda.is_available()
+    if scale == "full" and not cuda:
+        raise SystemExit("--scale full needs a CUDA GPU")
+    device = torch.device("cuda" if cuda else "cpu")
+    # tiny: every Linear input at least one NF4 block (64) wide, as bnb's CPU kernel needs
+    cfg = A14B if scale == "full" else synthetic.tiny_config("cam", text_dim=64, text_len=64)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = (workdir or Path(tmp)) / f"{scale}_expert_nf4"
+        if not (folder / "config.json").is_file():
+            t0 = time.perf_counter()
+            synthetic.write_nf4_expert(folder, cfg, seed=0, mode="random")
+            print(f"wrote {folder} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        t0 = time.perf_counter()
+        model = stream.load_expert(folder, device)
+    return device, cfg, model, time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
@@ -228,22 +248,7 @@ def main() -> int:
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
-    if args.scale == "full" and not cuda:
-        raise SystemExit("--scale full needs a CUDA GPU")
-    device = torch.device("cuda" if cuda else "cpu")
-    # tiny: every Linear input at least one NF4 block (64) wide, as bnb's CPU kernel needs
-    cfg = A14B if args.scale == "full" else synthetic.tiny_config("cam", text_dim=64, text_len=64)
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = args.workdir or Path(tmp)
-        folder = workdir / f"{args.scale}_expert_nf4"
-        if not (folder / "config.json").is_file():
-            t0 = time.perf_counter()
-            synthetic.write_nf4_expert(folder, cfg, seed=0, mode="random")
-            print(f"wrote {folder} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        t0 = time.perf_counter()
-        model = stream.load_expert(folder, device)
-        load_s = time.perf_counter() - t0
-
+    device, cfg, model, load_s = load_random_expert(args.scale, args.workdir)
     step = Step(model, cfg, device, SHAPES[args.scale])
     sage_issue = None
     try:

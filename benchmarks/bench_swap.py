@@ -14,8 +14,6 @@ Prints one JSON line at the end.
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,10 +24,9 @@ sys.path.insert(0, str(HERE))
 from lingbot import load_pack  # noqa: E402
 
 load_pack()
-from bench_speed import SHAPES, Step, timed  # noqa: E402
-from lingbot_world.loaders import monitor, stream, synthetic  # noqa: E402
+from bench_speed import SHAPES, Step, load_random_expert, timed  # noqa: E402
+from lingbot_world.loaders import monitor  # noqa: E402
 from lingbot_world.wan.block_swap import BlockSwapper  # noqa: E402
-from lingbot_world.wan.config import A14B  # noqa: E402
 from lingbot_world.wan.speed import SpeedOptions, SpeedStats  # noqa: E402
 
 GIB = 1 << 30
@@ -79,26 +76,12 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()
-    if args.scale == "full" and not cuda:
-        raise SystemExit("--scale full needs a CUDA GPU")
-    device = torch.device("cuda" if cuda else "cpu")
-    cfg = A14B if args.scale == "full" else synthetic.tiny_config("cam", text_dim=64, text_len=64)
+    device, cfg, model, load_s = load_random_expert(args.scale, args.workdir)
+    cuda = device.type == "cuda"
     layers = cfg.num_layers
     levels = args.levels if args.levels is not None else [0, layers // 2, layers]
     if 0 not in levels:
         levels = [0, *levels]
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = args.workdir or Path(tmp)
-        folder = workdir / f"{args.scale}_expert_nf4"
-        if not (folder / "config.json").is_file():
-            t0 = time.perf_counter()
-            synthetic.write_nf4_expert(folder, cfg, seed=0, mode="random")
-            print(f"wrote {folder} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        t0 = time.perf_counter()
-        model = stream.load_expert(folder, device)
-        load_s = time.perf_counter() - t0
-
     step = Step(model, cfg, device, SHAPES[args.scale])
     summary = {
         "bench": "swap",

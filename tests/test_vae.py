@@ -107,13 +107,14 @@ def test_streaming_is_causal_and_chunking_exact(tiny):
     torch.testing.assert_close(tiny.decode(z, chunk_frames=1), full, atol=1e-5, rtol=0)
 
 
-def _spatially_local(model):
-    """Keep only the centre spatial tap of every conv and silence attention: each output pixel then
-    depends on its own latent pixel alone (through all frames), so tiling cannot change anything."""
+def _spatially_local(model, part: str = "decoder"):
+    """Keep only the centre spatial tap of every conv of `part` (decoder or encoder) and silence its
+    attention: each output pixel then depends on its own latent pixel (decoder) or 8x8 block of video
+    pixels (encoder) alone, through all frames, so tiling cannot change anything."""
     local = V.WanVAE(**TINY).eval()
     local.load_state_dict(model.state_dict())
     with torch.no_grad():
-        for m in local.decoder.modules():
+        for m in getattr(local, part).modules():
             if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)) and m.kernel_size[-1] == 3:
                 centre = m.weight[..., 1:2, 1:2].clone()
                 m.weight.zero_()[..., 1:2, 1:2] = centre
@@ -142,21 +143,6 @@ def test_tiled_equals_untiled(tiny):
     assert (out - tiny.decode(z)).abs().mean() < 0.1
 
 
-def _spatially_local_encoder(model):
-    """The encoder with only the centre spatial tap of every conv and silenced attention: each latent
-    pixel then depends on its own 8x8 block of video pixels alone (through all frames)."""
-    local = V.WanVAE(**TINY).eval()
-    local.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        for m in local.encoder.modules():
-            if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)) and m.kernel_size[-1] == 3:
-                centre = m.weight[..., 1:2, 1:2].clone()
-                m.weight.zero_()[..., 1:2, 1:2] = centre
-            if isinstance(m, V.AttentionBlock):
-                m.proj.weight.zero_()
-    return local
-
-
 def test_tiled_encode_equals_untiled(tiny):
     video = torch.rand(3, 5, 56, 72, generator=_gen(6)) * 2 - 1
     video[:, 1:] = 0  # the i2v input: one real frame, then zeros
@@ -164,7 +150,7 @@ def test_tiled_encode_equals_untiled(tiny):
     # One tile covering everything, and 'auto' on CPU, are the untiled path, bit for bit.
     assert torch.equal(tiny.encode(video, tile=(7, 9), overlap=4), ref)
     assert torch.equal(tiny.encode(video, tile="auto"), ref)
-    local = _spatially_local_encoder(tiny)
+    local = _spatially_local(tiny, "encoder")
     want = local.encode(video)
     assert want.std() > 0.1 and want.shape == (16, 2, 7, 9)
     for tile, overlap in (((4, 5), 2), ((7, 4), 0), ((3, 3), 1)):

@@ -29,6 +29,7 @@ from .loaders import (
     camera_preview,
     checkpoints,
     demo_assets,
+    distributed,
     monitor,
     text_encode,
     video,
@@ -122,6 +123,15 @@ def add_generate_args(p: argparse.ArgumentParser):
         "--swap_blocks", default="0",
         help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
         "block (0..num_layers, or 'auto'); less VRAM, identical results",
+    )  # fmt: skip
+    p.add_argument(
+        "--ulysses_size", type=int, default=1,
+        help="sequence parallel over N GPUs (N divides the 40 heads): launch with "
+        "`torchrun --nproc_per_node N lingbot.py generate ... --ulysses_size N`",
+    )  # fmt: skip
+    p.add_argument(
+        "--parallel", choices=["none", "auto"], default="none",
+        help="'auto': sequence parallel over every process torchrun started (its world size)",
     )  # fmt: skip
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
     speed.add_argument(
@@ -234,7 +244,7 @@ FLAGS = {
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
     "attention": "--attention", "memory": "not enough memory", "swap_blocks": "--swap_blocks",
-    "lora_merge": "--lora_merge",
+    "lora_merge": "--lora_merge", "ulysses_size": "--ulysses_size",
 }  # fmt: skip
 
 
@@ -349,6 +359,7 @@ def prepare_generate(args, check_memory: bool = True):
         max_area=args.size, text_dim=text_dim, loras=args.lora,
         allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
         memory=memory_check(args, files, tile, device, free=check_memory), swap_blocks=args.swap_blocks,
+        ulysses_size=getattr(args, "ranks", 1),
     )  # fmt: skip
     return device, files, tile, image, plan
 
@@ -367,6 +378,12 @@ def run_plan(args) -> int:
 
 
 def run_generate(args) -> int:
+    args.ranks = distributed.requested_size(args.ulysses_size, args.parallel)
+    with distributed.process_group(args.ranks, args.device) as args.device:
+        return _run_generate(args)
+
+
+def _run_generate(args) -> int:
     output = video.check_output(args.output or default_output("lingbot"), args.overwrite)
     if args.report:
         video.check_output(args.report, overwrite=True)
@@ -395,7 +412,9 @@ def release_cuda() -> None:
 def _generate(args, device, files, tile, image, plan, output, current) -> int:
     settings, (h, w) = plan.settings, plan.size[2:]
     log = monitor.PhaseLog()
-    print(plan.memory.table())
+    lead = distributed.rank() == 0  # the rank that encodes text, runs the VAE, reports and writes the MP4
+    if lead:
+        print(plan.memory.table())
 
     @contextlib.contextmanager
     def phase(name):
@@ -406,16 +425,22 @@ def _generate(args, device, files, tile, image, plan, output, current) -> int:
     hooks = pipeline.Hooks(phase=phase)
 
     with phase("text_encode"):
-        context, context_null = text_encode.encode_prompts(
-            files.text_encoder, [args.prompt, args.n_prompt or settings.negative_prompt],
-            tokenizer_path=files.tokenizer, mode=args.t5_mode,
-            device="cpu" if args.t5_cpu else str(device),
-        )  # fmt: skip
+        context = context_null = None
+        if lead:
+            context, context_null = text_encode.encode_prompts(
+                files.text_encoder, [args.prompt, args.n_prompt or settings.negative_prompt],
+                tokenizer_path=files.tokenizer, mode=args.t5_mode,
+                device="cpu" if args.t5_cpu else str(device),
+            )  # fmt: skip
+        if plan.ulysses_size > 1:
+            context, context_null = distributed.broadcast_tensors(
+                None if context is None else [context, context_null], device
+            )
     with phase("camera"):
         inputs = plan.inputs(image, context, context_null, device)
     del context, context_null
     with phase("load_vae"):
-        vae = load_vae(files.vae, device)
+        vae = load_vae(files.vae, device) if lead else None
     switcher = ExpertSwitcher(
         files.experts,
         device,
@@ -425,11 +450,11 @@ def _generate(args, device, files, tile, image, plan, output, current) -> int:
         merge_loras=args.lora_merge,
     )
     stats = SpeedStats()
-    bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step")
+    bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step", disable=not lead)
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:
         # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
-        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=tile))
+        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=tile)) if lead else None
         latent = pipeline.sample(
             vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
         )  # fmt: skip
@@ -437,6 +462,8 @@ def _generate(args, device, files, tile, image, plan, output, current) -> int:
         bar.close()
         switcher.close()
     del inputs
+    if not lead:  # the others' part ends with the last step
+        return 0
     if args.save_latent:
         save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
     hooks.check()

@@ -21,6 +21,7 @@ import torch
 from ..wan import attention, i2v
 from ..wan.block_swap import resolve_swap_blocks
 from ..wan.config import DiTConfig, SampleConfig
+from ..wan.parallel import SequenceParallel, world_size
 from ..wan.schedulers import SCHEDULERS
 from ..wan.speed import SpeedOptions
 from .camera_files import CameraInput
@@ -58,6 +59,7 @@ class Plan:
     speed: SpeedOptions = SpeedOptions()  # every option off: today's exact results
     memory: object = None  # loaders.planner.MemoryPlan when plan_request checked memory, else None
     swap_blocks: int | str = 0  # DiT blocks streamed from pinned host RAM, or 'auto' (see wan.block_swap)
+    ulysses_size: int = 1  # ranks sharing each forward's video tokens (sequence parallel, see wan.parallel)
 
     @property
     def tokens(self) -> int:
@@ -82,7 +84,7 @@ class Plan:
         return dict(
             image=image, context=context, context_null=context_null, size=self.size,
             frame_num=self.frame_num, settings=self.settings, cam=cam, device=torch.device(device),
-            speed=self.speed,
+            speed=self.speed, parallel=SequenceParallel() if self.ulysses_size > 1 else None,
         )  # fmt: skip
 
 
@@ -187,6 +189,7 @@ def plan_request(
     speed: SpeedOptions | None = None,
     memory=None,
     swap_blocks: int | str = 0,
+    ulysses_size: int = 1,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
@@ -196,7 +199,9 @@ def plan_request(
     sampling loop's speed options (attention backend checked for availability here). `memory`: a
     `loaders.planner.MemoryCheck` (device, free memory, stored bytes): each phase's peak is predicted
     and a request that does not fit is refused (MemoryPlanError) before anything loads. `swap_blocks`:
-    how many DiT blocks of the resident expert stream from pinned host RAM (0..num_layers, or 'auto')."""
+    how many DiT blocks of the resident expert stream from pinned host RAM (0..num_layers, or 'auto').
+    `ulysses_size`: ranks of the initialized torch.distributed world that split each forward's tokens (1: one
+    device); it must equal the world size and divide the heads."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -225,6 +230,7 @@ def plan_request(
     if isinstance(swap_blocks, str):
         swap_blocks = swap_blocks.strip().lower()
         swap_blocks = swap_blocks if swap_blocks == "auto" else int(swap_blocks)
+    check_ulysses(ulysses_size, config, speed, swap_blocks)
     settings = replace(settings, frame_num=frames)
     memory_plan = None
     if memory is not None:
@@ -237,8 +243,39 @@ def plan_request(
     return Plan(
         size=size, frame_num=frames, settings=settings, config=config, camera=camera,
         loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed, memory=memory_plan,
-        swap_blocks=swap_blocks,
+        swap_blocks=swap_blocks, ulysses_size=ulysses_size,
     )  # fmt: skip
+
+
+def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, swap_blocks) -> None:
+    """Sequence parallel: a head count it divides, the world it runs in, and only the settings tested with it."""
+    _number("ulysses_size", size, 1, 1024, integer=True)
+    if size == 1:
+        return
+    if config.num_heads % size:
+        raise RequestError(
+            "ulysses_size", f"{size} does not divide the experts' {config.num_heads} attention heads"
+        )
+    world = world_size()
+    if world != size:
+        raise RequestError(
+            "ulysses_size",
+            f"{size} ranks asked for, but this process group has {world} (launch with "
+            f"`torchrun --nproc_per_node {size} ...`)",
+        )
+    refused = [
+        name
+        for name, on in (
+            ("compile", speed.compile),
+            ("cache", speed.cache is not None),
+            ("swap_blocks", swap_blocks not in (0, "0")),
+        )
+        if on
+    ]
+    if refused:
+        raise RequestError(
+            "ulysses_size", f"sequence parallel does not support {', '.join(refused)} yet; turn it off"
+        )
 
 
 def check_lora_merge(paths: dict, quantize, loras) -> None:

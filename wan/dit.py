@@ -20,6 +20,7 @@ from einops import rearrange
 from torch import nn
 
 from . import attention as attention_backends
+from . import parallel
 from .config import CONTROL_CHANNELS, DiTConfig
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
@@ -167,11 +168,16 @@ class WanSelfAttention(nn.Module):
         q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
         k = self.norm_k(linear(self.k, x, dtype)).view(-1, n, d)
         v = linear(self.v, x, dtype).view(-1, n, d)
+
         # Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going
         # straight to `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory.
-        q = rope_apply(q, grid, freqs, dtype)
-        k = rope_apply(k, grid, freqs, dtype)
-        out = attention(q, k, v, dtype)
+        def core(q, k, v):
+            q = rope_apply(q, grid, freqs, dtype)
+            k = rope_apply(k, grid, freqs, dtype)
+            return attention(q, k, v, dtype)
+
+        sp = parallel.current()  # sequence parallel: local tokens in, the heads' full sequence inside
+        out = core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
         del q, k, v
         return linear(self.o, out.flatten(1), dtype)
 
@@ -316,6 +322,8 @@ class WanModel(nn.Module):
         self.block_runner = None
         # None, or a wan.block_swap.BlockSwapper streaming some blocks' weights from host RAM.
         self.block_swap = None
+        # None, or a wan.parallel.SequenceParallel: this rank runs its slice of the video tokens.
+        self.sequence_parallel = None
 
     @classmethod
     def from_config(cls, config: DiTConfig) -> "WanModel":
@@ -386,21 +394,27 @@ class WanModel(nn.Module):
                 "lat_f/lat_h/lat_w must match the latent"
             )
         freqs = self._rope(x.device)
-        run, swap = self.block_runner, self.block_swap
-        try:
-            for i, block in enumerate(self.blocks):
+        run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
+        if sp is not None:
+            x = sp.split(x)
+            cam_tokens = None if cam_tokens is None else sp.split(cam_tokens)
+        with parallel.use(sp):  # read by WanSelfAttention
+            try:
+                for i, block in enumerate(self.blocks):
+                    if swap is not None:
+                        swap.before(i)
+                    if run is None:
+                        x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
+                    else:
+                        x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
+                    if swap is not None:
+                        swap.after(i)
+            finally:
                 if swap is not None:
-                    swap.before(i)
-                if run is None:
-                    x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
-                else:
-                    x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
-                if swap is not None:
-                    swap.after(i)
-        finally:
-            if swap is not None:
-                swap.finish()  # an error or interrupt mid-forward leaves no swapped block on the device
+                    swap.finish()  # an error or interrupt mid-forward leaves no swapped block on the device
         x = self.head(x, e)
+        if sp is not None:  # the head is per token: gather its small output, not the [L, dim] stream
+            x = sp.gather(x, math.prod(grid))
         # Upstream unpatchifies inside its bf16 autocast region, where einsum casts the fp32 head
         # output to bf16: the prediction is bf16-rounded before the final .float().
         return self.unpatchify(x.to(dtype), grid)

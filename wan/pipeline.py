@@ -7,6 +7,11 @@ the tests and the benchmarks all run this same code:
   or parks the other one before loading, so only one is resident on the device);
 - `progress(i, n, latent)` after each step; `interrupted()` before each step and phase;
 - `phase(name)` a context manager around each phase (timing, memory accounting).
+
+Sequence parallel (`parallel`, a `wan.parallel.SequenceParallel`): every rank runs this same flow with the
+same inputs and seed (so the noise is the same everywhere); the first-frame VAE encode runs on rank 0 only
+and its latent is broadcast, each expert forward splits the video tokens across the ranks, and only rank 0
+calls the `progress` hook.
 """
 
 import contextlib
@@ -52,6 +57,7 @@ def denoise(
     hooks: Hooks | None = None,
     speed: SpeedOptions | None = None,
     stats: SpeedStats | None = None,
+    parallel=None,
 ) -> torch.Tensor:
     """The dual-expert CFG sampling loop. Returns the final latent [16, lat_f, lat_h, lat_w] (fp32).
 
@@ -81,6 +87,9 @@ def denoise(
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
                 prepare_model(model, runner)
+                if parallel is not None:  # the expert leaves this loop whole again
+                    model.sequence_parallel = parallel
+                    stack.callback(setattr, model, "sequence_parallel", None)
                 if runner is not None:  # the expert leaves this loop uncompiled (parked, reused, freed)
                     stack.callback(prepare_model, model, None)
                 if cache is not None:  # never carried across the switch
@@ -107,7 +116,7 @@ def denoise(
                     pred = cfg(out["cond"], out["uncond"], g)
                 del out
                 latent = scheduler.step(pred, t, latent)
-            if hooks.progress is not None:
+            if hooks.progress is not None and (parallel is None or parallel.rank == 0):
                 hooks.progress(i + 1, len(timesteps), latent)
         stats.compiled = runner is not None and not runner.failed
     return latent
@@ -133,13 +142,15 @@ def sample(
     hooks: Hooks | None = None,
     speed: SpeedOptions | None = None,
     stats: SpeedStats | None = None,
+    parallel=None,
 ) -> torch.Tensor:
     """Image [3, H, W] in [-1, 1] + text embeddings (+ packed camera tensor) -> final latent.
 
     `size` is (lat_h, lat_w, h, w) from `wan.i2v.latent_size`/`explicit_size`; `frame_num` must
     already be 4n+1 and fit the camera path. `vae.encode(video) -> latent` encodes the first frame
     (+ zero frames) for the i2v condition. The experts are released before this returns, also on
-    errors and interrupts, so the decode that follows has the device to itself.
+    errors and interrupts, so the decode that follows has the device to itself. `parallel`: see the module
+    docstring (ranks other than 0 may pass `vae=None`).
     """
     hooks = hooks or Hooks()
     device = torch.device(device)
@@ -152,12 +163,20 @@ def sample(
         noise = i2v.make_noise(settings.seed, lat_f, lat_h, lat_w, device)
         mask = i2v.first_frame_mask(frame_num, lat_h, lat_w, device)
         with hooks.in_phase("vae_encode"):
-            latent_image = vae.encode(i2v.vae_input(image, frame_num, h, w).to(device))
+            if parallel is None:
+                latent_image = vae.encode(i2v.vae_input(image, frame_num, h, w).to(device))
+            else:  # rank 0 encodes, every rank receives its latent (the noise's shape, fp32)
+                if parallel.rank == 0:
+                    latent_image = vae.encode(i2v.vae_input(image, frame_num, h, w).to(device))
+                    latent_image = latent_image.to(device, torch.float32)
+                else:
+                    latent_image = torch.empty_like(noise)
+                latent_image = parallel.broadcast(latent_image)
         y = torch.cat([mask, latent_image.to(device)])
         del latent_image
         context, context_null = context.to(device), context_null.to(device)
         cam = None if cam is None else cam.to(device)
-        return denoise(experts, noise, y, context, context_null, cam, settings, hooks, speed, stats)
+        return denoise(experts, noise, y, context, context_null, cam, settings, hooks, speed, stats, parallel)
     finally:
         release_experts()
 

@@ -49,3 +49,27 @@ def dit_rank(rank, world, port, out_dir):
         torch.save(forward(model), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def failing_rank(rank, world, port, out_dir):
+    """Rank 1's expert fails to load; rank 0 is already waiting in the first forward's collective."""
+    from lingbot_world.wan import pipeline
+    from lingbot_world.wan.config import SampleConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x, _, context, y, cam = tiny_inputs()
+
+    def experts(name):
+        if rank == 1:
+            raise RuntimeError("injected failure on rank 1")
+        return tiny_model()
+
+    try:
+        pipeline.denoise(experts, x, y, context, context, cam, SampleConfig(sample_steps=2),
+                         parallel=SequenceParallel())  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        (Path(out_dir) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -22,3 +22,62 @@ def test_dit_forward_split_across_ranks_equals_one_process(world, tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_failure_on_rank_1_stops_both_ranks(tmp_path):
+    ctx = mp.spawn(worker.failing_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)
+    with pytest.raises(mp.ProcessRaisedException, match="injected failure on rank 1"):
+        while not ctx.join(timeout=60):
+            pass
+    for p in ctx.processes:  # spawn stops the survivors; none is left hanging in a collective
+        p.join(timeout=30)
+        assert not p.is_alive()
+    assert "injected failure on rank 1" in (tmp_path / "rank1.err").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedding_cache")
+def test_torchrun_cli_two_ranks_equals_one_process(nf4_ckpt, shipped_example, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lingbot_world import cli
+    from lingbot_world.loaders.video import read_mp4_info
+    from safetensors.torch import load_file
+
+    def args(out, latent):
+        return [
+            "generate", "--ckpt_dir", str(nf4_ckpt), "--image", str(shipped_example / "image.jpg"),
+            "--prompt", "a castle", "--action_path", str(shipped_example), "--size", "64*112",
+            "--frame_num", "9", "--sampling_steps", "3", "--device", "cpu", "--t5_mode", "inprocess",
+            "--output", str(out), "--save_latent", str(latent),
+        ]  # fmt: skip
+
+    assert cli.main(args(tmp_path / "one.mp4", tmp_path / "one.latent")) == 0
+    root = Path(__file__).resolve().parents[1]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+              str(free_port()), str(root / "lingbot.py")]  # fmt: skip
+    run = subprocess.run(
+        [*launch, *args(tmp_path / "two.mp4", tmp_path / "two.latent"), "--parallel", "auto"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
+    assert read_mp4_info(tmp_path / "two.mp4")["frames"] == 9
+    one, two = load_file(tmp_path / "one.latent"), load_file(tmp_path / "two.latent")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-3)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".mp4") == ["one.mp4", "two.mp4"]
+
+
+def test_ulysses_size_is_checked_before_anything_loads():
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.loaders.request import RequestError, plan_request
+    from lingbot_world.wan.config import SampleConfig
+
+    cfg = synthetic.tiny_config("cam")  # 4 heads
+    with pytest.raises(RequestError, match="does not divide the experts' 4 attention heads"):
+        plan_request((480, 832), cfg, SampleConfig(), max_area=480 * 832, ulysses_size=3)
+    with pytest.raises(RequestError, match="this process group has 1"):
+        plan_request((480, 832), cfg, SampleConfig(), max_area=480 * 832, ulysses_size=2)

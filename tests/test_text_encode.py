@@ -199,7 +199,7 @@ def test_child_timeout_kills_it(ckpt, tmp_path, monkeypatch):
     with pytest.raises(TimeoutError, match=r"did not finish within 1 s(.|\n)*stuck"):
         _encode(ckpt, "subprocess", tmp_path, timeout=1)
     assert time.monotonic() - t0 < 15
-    assert not psutil.Process().children()
+    assert not _encoder_children()
 
 
 def _run_and_catch(fn):
@@ -216,10 +216,23 @@ def _run_and_catch(fn):
     return th, box
 
 
+def _encoder_children() -> list:
+    """This process's text-encoder children (an argument is their request file); other children,
+    such as a multiprocessing resource tracker that an earlier test started, are not ours to judge."""
+    kids = []
+    for p in psutil.Process().children():
+        try:
+            if any(arg.endswith("request.json") for arg in p.cmdline()):
+                kids.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return kids
+
+
 def _wait_for_child(timeout=30.0) -> psutil.Process:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        kids = psutil.Process().children()
+        kids = _encoder_children()
         if kids:
             return kids[0]
         time.sleep(0.02)
@@ -248,7 +261,7 @@ def test_interrupt_stops_the_child_and_cleans_up(ckpt, tmp_path, monkeypatch):
     threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         tx.encode_in_subprocess(ckpt, PROMPTS, None, text_len=TEXT_LEN)
-    assert not psutil.Process().children()
+    assert not _encoder_children()
     assert seen["request"].name == "request.json" and not seen["request"].parent.exists()
 
 

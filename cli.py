@@ -9,7 +9,6 @@ spellings are accepted where they differ.
 """
 
 import argparse
-import contextlib
 import functools
 import json
 import logging
@@ -36,7 +35,6 @@ from .loaders import (
 )
 from .loaders import planner as memplan
 from .loaders.experts import ExpertSwitcher
-from .loaders.formats import detect_expert_format
 from .loaders.latent_file import save_comfy_latent
 from .loaders.lora import LoraSpec, parse_lora_spec
 from .loaders.request import RequestError, check_lora_merge, plan_request
@@ -175,12 +173,9 @@ def add_preset_args(p: argparse.ArgumentParser, flag: str):
 
 def parse_hw(text: str) -> tuple[int, int]:
     try:
-        h, w = (int(v) for v in text.replace("x", "*").split("*"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--size: expected HEIGHT*WIDTH, e.g. 480*832, got {text!r}"
-        ) from None
-    return h, w
+        return i2v.parse_hw(text, "--size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_camera_args(p: argparse.ArgumentParser):
@@ -327,7 +322,7 @@ def vae_tile(text: str):
 def memory_check(args, files, tile, device, free=True) -> memplan.MemoryCheck:
     """The planner's inputs from the generate arguments; `free`: check against the device's free memory."""
     request = memplan.MemoryRequest(
-        expert_bytes={e: detect_expert_format(p).nbytes for e, p in files.experts.items()},
+        expert_bytes={e: source.nbytes for e, source in files.sources.items()},
         lora_bytes=memplan.lora_bytes(args.lora), swap_blocks=getattr(args, "swap_blocks", 0), vae_tile=tile,
         t5_mode=args.t5_mode, t5_device="cpu" if args.t5_cpu else device.type,
         t5_bytes=files.text_encoder.stat().st_size,
@@ -345,7 +340,7 @@ def prepare_generate(args, check_memory: bool = True):
     text_dim = read_encoder_config(files.text_encoder)["dim"]
     check_vae(files.vae)
     if getattr(args, "lora_merge", False):
-        check_lora_merge(files.experts, args.quantize, args.lora)
+        check_lora_merge(files.sources, args.quantize, args.lora)
     tile = vae_tile(args.vae_tile)
     image = load_image(args.image)
     cam_input = camera_input(args, image.shape[1:])
@@ -390,39 +385,24 @@ def _run_generate(args) -> int:
     if args.save_latent:
         video.check_output(args.save_latent, args.overwrite)
     device, files, tile, image, plan = prepare_generate(args)
-    current = {"phase": None}
+    log = monitor.PhaseLog()
+    hooks = pipeline.Hooks(phase=log.phase)
     try:
-        return _generate(args, device, files, tile, image, plan, output, current)
+        return _generate(args, device, files, tile, image, plan, output, log, hooks)
     except torch.OutOfMemoryError:
         vram = memplan.free_memory(device)[0]
-        error = memplan.oom_error(current["phase"], plan.memory and plan.memory.planner, vram)
+        error = memplan.oom_error(hooks.current, plan.memory and plan.memory.planner, vram)
     # outside the handler: the traceback (and the tensors its frames held) is gone
-    release_cuda()
+    monitor.free_memory()
     raise error
 
 
-def release_cuda() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _generate(args, device, files, tile, image, plan, output, current) -> int:
+def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int:
     settings, (h, w) = plan.settings, plan.size[2:]
-    log = monitor.PhaseLog()
     lead = distributed.rank() == 0  # the rank that encodes text, runs the VAE, reports and writes the MP4
     if lead:
         print(plan.memory.table())
-
-    @contextlib.contextmanager
-    def phase(name):
-        current["phase"] = name
-        with log.phase(name):
-            yield
-
-    hooks = pipeline.Hooks(phase=phase)
+    phase = hooks.in_phase
 
     with phase("text_encode"):
         context = context_null = None

@@ -237,6 +237,20 @@ def load_random_expert(scale: str, workdir: Path | None):
     return device, cfg, model, time.perf_counter() - t0
 
 
+def summary_head(bench: str, scale: str, step: Step, load_s: float) -> dict:
+    """The first fields of a step benchmark's JSON summary: what ran, where, at which size."""
+    cuda = step.device.type == "cuda"
+    return {
+        "bench": bench,
+        "scale": scale,
+        "device": torch.cuda.get_device_name(step.device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "size": list(SHAPES[scale][:3]),
+        "tokens": step.tokens,
+        "load_s": round(load_s, 2),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
@@ -247,7 +261,6 @@ def main() -> int:
     ap.add_argument("--lora-rank", type=int, default=64, help="rank of the random LoRA of the lora case")
     args = ap.parse_args()
 
-    cuda = torch.cuda.is_available()
     device, cfg, model, load_s = load_random_expert(args.scale, args.workdir)
     step = Step(model, cfg, device, SHAPES[args.scale])
     sage_issue = None
@@ -266,15 +279,7 @@ def main() -> int:
         "compile_sage": (SpeedOptions(attention="sage", compile=True), 5.0, sage_issue or compile_issue),
         "cfg1": (SpeedOptions(), 1.0, None),
     }
-    summary = {
-        "bench": "speed",
-        "scale": args.scale,
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "torch": torch.__version__,
-        "size": list(SHAPES[args.scale][:3]),
-        "tokens": step.tokens,
-        "load_s": round(load_s, 2),
-    }
+    summary = summary_head("speed", args.scale, step, load_s)
     reference = None
     for name, (options, guide, issue) in cases.items():
         if name != "eager" and name in args.skip:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 from lingbot import load_pack  # noqa: E402
 
 load_pack()
-from bench_speed import SHAPES, Step, load_random_expert, timed  # noqa: E402
+from bench_speed import SHAPES, Step, load_random_expert, summary_head, timed  # noqa: E402
 from lingbot_world.loaders import monitor  # noqa: E402
 from lingbot_world.wan.block_swap import BlockSwapper  # noqa: E402
 from lingbot_world.wan.speed import SpeedOptions, SpeedStats  # noqa: E402
@@ -77,21 +77,14 @@ def main() -> int:
     args = ap.parse_args()
 
     device, cfg, model, load_s = load_random_expert(args.scale, args.workdir)
-    cuda = device.type == "cuda"
     layers = cfg.num_layers
     levels = args.levels if args.levels is not None else [0, layers // 2, layers]
     if 0 not in levels:
         levels = [0, *levels]
     step = Step(model, cfg, device, SHAPES[args.scale])
     summary = {
-        "bench": "swap",
-        "scale": args.scale,
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "torch": torch.__version__,
-        "size": list(SHAPES[args.scale][:3]),
-        "tokens": step.tokens,
+        **summary_head("swap", args.scale, step, load_s),
         "num_layers": layers,
-        "load_s": round(load_s, 2),
         "levels": {},
     }
     reference = None

@@ -29,6 +29,7 @@ class CheckpointFiles:
     tokenizer: Path | None  # None: the encoder file carries its own tokenizer
     vae: Path
     config: DiTConfig  # the experts' shared config, read from their headers
+    sources: dict  # {'high'|'low': formats.ExpertSource}: layout, stored bytes, quantization
 
     @property
     def control_type(self) -> str | None:
@@ -77,5 +78,5 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
         raise FileNotFoundError(
             f"{root}: incomplete checkpoint, missing or unusable:\n  - " + "\n  - ".join(missing)
         )
-    config, _ = expert_pair_config(experts)
-    return CheckpointFiles(experts, text_encoder, tokenizer, vae, config)
+    config, sources = expert_pair_config(experts)
+    return CheckpointFiles(experts, text_encoder, tokenizer, vae, config, sources)

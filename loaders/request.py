@@ -134,9 +134,9 @@ def check_settings(settings: SampleConfig) -> SampleConfig:
     _number("sample_fps", settings.sample_fps, 1, MAX_FPS, integer=True)
     if settings.solver not in SCHEDULERS:
         raise RequestError("solver", f"expected one of {', '.join(SCHEDULERS)}, got {settings.solver!r}")
-    seed = settings.seed
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-        raise RequestError("seed", f"expected an integer in [0, 2**64), got {seed!r}")
+    issue = i2v.seed_issue(settings.seed)
+    if issue:
+        raise RequestError("seed", issue)
     return settings
 
 
@@ -278,14 +278,15 @@ def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, swap_blocks) -> 
         )
 
 
-def check_lora_merge(paths: dict, quantize, loras) -> None:
-    """Merging LoRAs before quantization needs original bf16/fp32 experts that are quantized while
-    they stream in (the NF4 repack's 4-bit weights cannot take a dense delta)."""
+def check_lora_merge(sources: dict, quantize, loras) -> None:
+    """Merging LoRAs before quantization needs original bf16/fp32 experts (`sources`: their
+    `ExpertSource`s) that are quantized while they stream in (the NF4 repack's 4-bit weights cannot
+    take a dense delta)."""
     if not loras:
         raise RequestError("lora_merge", "no LoRA given to merge")
     if not quantize:
         raise RequestError("lora_merge", "merging happens before quantization: it needs --quantize")
-    stored_nf4 = [str(p) for p in paths.values() if detect_expert_format(p).quantized]
+    stored_nf4 = [str(s.path) for s in sources.values() if s.quantized]
     if stored_nf4:
         raise RequestError(
             "lora_merge",

@@ -1,6 +1,5 @@
 """Sampler node: image + text + camera -> video latent, one expert on the device at a time."""
 
-import contextlib
 import logging
 
 import torch
@@ -175,15 +174,6 @@ class LingBotSampler:
         log.info("LingBot-World %s", plan.memory.table())
         work = max(plan.memory.phase(f"denoise_{e}").vram - experts.nbytes[e] for e in ("high", "low"))
         hooks, phases = memory.sampling_hooks(steps)
-        entered, inner = [], hooks.phase
-
-        @contextlib.contextmanager
-        def tracked(name):  # the phase a CUDA OOM happens in, for its message
-            entered.append(name)
-            with inner(name):
-                yield
-
-        hooks.phase = tracked
         stats = SpeedStats()
         try:
             latent = pipeline.sample(
@@ -192,9 +182,7 @@ class LingBotSampler:
             )  # fmt: skip
         except torch.OutOfMemoryError:
             experts.close()
-            error = memplan.oom_error(
-                entered[-1] if entered else None, plan.memory.planner, check.free_vram, PLAN_NAMES
-            )
+            error = memplan.oom_error(hooks.current, plan.memory.planner, check.free_vram, PLAN_NAMES)
         except BaseException as e:
             experts.close()  # errors and interrupts also drop what keep_in_ram_gb parked
             log.info("LingBot-World sampling stopped (%s); experts released", type(e).__name__)

@@ -108,13 +108,21 @@ def resolve_seed(seed: int) -> int:
     return seed if seed >= 0 else random.randint(0, sys.maxsize)
 
 
+def seed_issue(seed) -> str | None:
+    """None for a usable seed (an integer in [0, 2**64)); else what is wrong with it."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+        return f"expected an integer in [0, 2**64), got {seed!r}"
+    return None
+
+
 def make_noise(seed: int, lat_f: int, lat_h: int, lat_w: int, device=None) -> torch.Tensor:
     """Initial latent noise fp32 [16, lat_f, lat_h, lat_w] from a generator on `device`, as upstream.
 
     The values depend on the device's generator: CUDA noise differs from CPU noise for the same seed.
     """
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r} (use resolve_seed for -1)")
+    issue = seed_issue(seed)
+    if issue:
+        raise ValueError(f"seed: {issue} (use resolve_seed for -1)")
     g = torch.Generator(device=device or "cpu")
     g.manual_seed(int(seed))
     return torch.randn(
@@ -148,12 +156,18 @@ def image_to_tensor(image) -> torch.Tensor:
     return arr.permute(2, 0, 1).contiguous().float().div(255).sub_(0.5).div_(0.5)
 
 
-def parse_max_area(text: str) -> int:
-    """'480*832' (or 480x832) -> the pixel budget, as upstream's --size."""
+def parse_hw(text: str, name: str = "size") -> tuple[int, int]:
+    """'480*832' (or 480x832) -> (480, 832), both positive; errors name `name`."""
     try:
         h, w = (int(v) for v in text.lower().replace("x", "*").split("*"))
     except ValueError:
-        raise ValueError(f"max_area must look like 480*832, got {text!r}") from None
+        raise ValueError(f"{name} must look like 480*832, got {text!r}") from None
     if h <= 0 or w <= 0:
-        raise ValueError(f"max_area must be positive, got {text!r}")
+        raise ValueError(f"{name} must be positive, got {text!r}")
+    return h, w
+
+
+def parse_max_area(text: str) -> int:
+    """'480*832' (or 480x832) -> the pixel budget, as upstream's --size."""
+    h, w = parse_hw(text, "max_area")
     return h * w

@@ -1,5 +1,6 @@
-"""The one generation flow: text embeddings -> camera conditioning -> VAE encode of the first frame
--> dual-expert sampling -> VAE decode -> frames. Upstream's `WanI2V.generate`, step for step.
+"""The one sampling flow: text embeddings + camera conditioning -> VAE encode of the first frame
+-> dual-expert sampling -> the final latent (the front ends decode it). Upstream's `WanI2V.generate`,
+step for step.
 
 Everything that touches files or a host framework comes in as hooks, so the CLI, the ComfyUI nodes,
 the tests and the benchmarks all run this same code:
@@ -37,12 +38,14 @@ class Hooks:
     progress: Callable[[int, int, torch.Tensor], None] | None = None
     interrupted: Callable[[], bool] | None = None
     phase: Callable[[str], contextlib.AbstractContextManager] | None = None
+    current: str | None = None  # the last phase entered: what a front end names when memory runs out
 
     def check(self):
         if self.interrupted is not None and self.interrupted():
             raise Interrupted("generation interrupted")
 
     def in_phase(self, name: str):
+        self.current = name
         return self.phase(name) if self.phase is not None else contextlib.nullcontext()
 
 
@@ -179,13 +182,3 @@ def sample(
         return denoise(experts, noise, y, context, context_null, cam, settings, hooks, speed, stats, parallel)
     finally:
         release_experts()
-
-
-def generate(vae_decode: Callable[[torch.Tensor], torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
-    """`sample(**kwargs)` then the VAE decode: video [3, F, h, w] in [-1, 1] (keyword arguments only).
-    `vae_decode` replaces `vae.decode`, e.g. to pass tiling options."""
-    latent = sample(**kwargs)
-    hooks = kwargs.get("hooks") or Hooks()
-    hooks.check()
-    with hooks.in_phase("vae_decode"):
-        return (vae_decode or kwargs["vae"].decode)(latent)

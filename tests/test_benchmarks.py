@@ -124,3 +124,24 @@ def test_bench_swap(tmp_path):
     # the swapper pins every swapped block and only those: host bytes grow with the level
     assert levels["0"]["host_bytes"] == 0 < levels["1"]["host_bytes"] < levels["2"]["host_bytes"]
     assert s["all_swapped"]["le_1.15x"] == (s["all_swapped"]["over_no_swap"] <= 1.15)
+
+
+def test_bench_parallel(tmp_path):
+    """One process, then two gloo ranks under torchrun: the two-rank step equals the one-rank latent
+    the first run saved, and each rank reports its own peak."""
+    one = run_tiny("bench_parallel.py", tmp_path)
+    assert one["world_size"] == 1 and one["tiny"]["tokens"] > 0 and one["tiny"]["step_s"] > 0
+    env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         str(ROOT / "benchmarks" / "bench_parallel.py"), "--scale", "tiny", "--workdir", str(tmp_path / "w")],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    two = json.loads(out.stdout.strip().splitlines()[-1])
+    assert two["world_size"] == 2
+    assert len(two["tiny"]["peak_vram_gib_per_rank"]) == 2
+    assert two["tiny"]["rel_error_vs_1gpu"] < 1e-5
+    assert two["tiny"]["speedup_vs_1gpu"] == pytest.approx(
+        one["tiny"]["step_s"] / two["tiny"]["step_s"], rel=0.01
+    )

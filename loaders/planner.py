@@ -407,9 +407,8 @@ class Planner:
         return out
 
     def _fitting_swap(self, fits):
-        if (
-            self.request.ulysses_size > 1
-        ):  # sequence parallel does not take block swap (request.check_ulysses)
+        # sequence parallel does not take block swap (request.check_ulysses)
+        if self.request.ulysses_size > 1:
             return None
         start = 0 if self.request.swap_blocks == "auto" else int(self.request.swap_blocks)
         for swap in range(start + 1, self.config.num_layers + 1):

@@ -333,8 +333,9 @@ def memory_check(args, files, tile, device, free=True) -> memplan.MemoryCheck:
     return memplan.MemoryCheck(request, device.type, vram, free_ram=ram)
 
 
-def prepare_generate(args, check_memory: bool = True):
-    """Everything a user can get wrong, checked before any model loads, memory included."""
+def prepare_generate(args, check_memory: bool = True, planning: bool = False):
+    """Everything a user can get wrong, checked before any model loads, memory included. `planning`: for
+    `plan`, which starts no ranks: --ulysses_size N is planned for N ranks without a process group."""
     device = resolve_device(args.device)
     files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
     text_dim = read_encoder_config(files.text_encoder)["dim"]
@@ -354,14 +355,17 @@ def prepare_generate(args, check_memory: bool = True):
         max_area=args.size, text_dim=text_dim, loras=args.lora,
         allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
         memory=memory_check(args, files, tile, device, free=check_memory), swap_blocks=args.swap_blocks,
-        ulysses_size=getattr(args, "ranks", 1),
+        ulysses_size=args.ulysses_size if planning else getattr(args, "ranks", 1),
+        ulysses_world=args.ulysses_size if planning else None,
     )  # fmt: skip
     return device, files, tile, image, plan
 
 
 def run_plan(args) -> int:
     """`plan`: the table of predicted peaks; on a GPU, whether it fits the free memory (exit 2 if not)."""
-    device, files, tile, _, plan = prepare_generate(args, check_memory=False)
+    if args.parallel == "auto":
+        args.ulysses_size = distributed.requested_size(args.ulysses_size, args.parallel)
+    device, files, tile, _, plan = prepare_generate(args, check_memory=False, planning=True)
     print(plan.memory.table())
     if device.type != "cuda":
         print("(VRAM figures are for a CUDA device; on the CPU everything lives in RAM)")

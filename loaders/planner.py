@@ -7,10 +7,15 @@ two random NF4 A14B experts, text encoded in a child process):
 - text_encode: the T5 weights plus a small working set, on whichever device encodes; in a child
   process the parent holds nothing, but the child shares the card and the host.
 - vae_encode: the VAE and the video on the device, plus the encoder's chunk activations, which scale
-  with the pixel area (the first frame and 4-frame chunks stream through a causal cache).
+  with the pixel area of one tile (the first frame and 4-frame chunks stream through a causal cache;
+  the whole frame when untiled). 'auto' tiling is predicted with the same rule `WanVAE.encode` uses
+  (`wan.vae.pick_tile` on the encoder's analytic bytes per latent pixel and the VRAM free then).
 - denoise_high / denoise_low: the resident expert's weights (less the blocks `swap_blocks` keeps in
   pinned host RAM, plus the two blocks in flight), LoRA side tensors, and the activations of one forward
   pass: a per-token term and the FFN intermediate, which `wan.dit` builds in chunks of FFN_CHUNK tokens.
+  Under sequence parallel (`ulysses_size` N) each rank holds the whole expert but the per-token terms
+  of only L/N tokens, plus the all-to-all buffers and the tokens embedded before the split (see
+  `activation_vram`); rank 0 alone encodes the text and runs the VAE, so its figures are the largest.
 - vae_decode: the VAE, the fp32 output video and a per-latent-pixel cost of the decoder's caches over
   one tile (the whole frame when untiled).
 
@@ -18,12 +23,15 @@ two random NF4 A14B experts, text encoded in a child process):
 `MemoryPlanError` naming the phase and the settings that would fit, found with the same model.
 """
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 from ..wan import i2v
 from ..wan.config import DiTConfig
-from ..wan.dit import FFN_CHUNK
+from ..wan.dit import FFN_CHUNK, ROPE_CHUNK
+from ..wan.vae import DEFAULT_OVERLAP, pick_tile, tile_spans
 from .request import RequestError
 
 GIB = 1 << 30
@@ -46,6 +54,11 @@ T5_WORKING = 300_000_000  # the encoder's activations for two prompts
 T5_DEFAULT_BYTES = 11_360_000_000  # umT5-XXL encoder, bf16
 T5_CHILD_RAM = 800_000_000  # the child's interpreter and torch on top of its weights
 FRAME_STEP = 4
+# RoPE (wan.dit.rope_apply) per token of a ROPE_CHUNK chunk and channel: the fp64 copy (8), its complex128
+# product with the table (8) and the fp32 rounding (4). A fixed ~0.8 GiB at dim 5120 that the fitted
+# intercept absorbs at the calibration sizes; it is a term of its own in the floor, where few tokens (a
+# sequence-parallel rank's share) leave the fitted line below what one block really holds.
+ROPE_BYTES = 20
 
 PHASES = ("text_encode", "vae_encode", "denoise_high", "denoise_low", "vae_decode")
 
@@ -78,6 +91,7 @@ class MemoryRequest:
     t5_device: str = "cuda"
     t5_bytes: int = T5_DEFAULT_BYTES
     compile: bool = False  # guide scale 1 (one forward per step) leaves the peak as it is: not an input
+    ulysses_size: int = 1  # ranks splitting each forward's tokens (sequence parallel); figures are per rank
 
 
 @dataclass(frozen=True)
@@ -99,17 +113,83 @@ def expert_vram(nbytes: int, num_layers: int, swap_blocks: int) -> int:
     return nbytes - swap * block + min(swap, 2) * block
 
 
-def activation_vram(tokens: int, config: DiTConfig, compile_: bool = False) -> int:
-    """Peak working memory of one forward pass of `tokens` tokens (latents and conditions included)."""
+def activation_vram(tokens: int, config: DiTConfig, compile_: bool = False, ranks: int = 1) -> int:
+    """Peak working memory of one forward pass of `tokens` tokens (latents and conditions included), on
+    each of `ranks` sequence-parallel ranks."""
+    local = -(-tokens // ranks)  # a rank's share of the zero-padded tokens (wan.parallel.split)
     scale = config.dim / 5120
     per_token = DENOISE_PER_TOKEN * scale
-    ffn = min(tokens, FFN_CHUNK) * config.ffn_dim * FFN_BYTES
-    fitted = DENOISE_BASE + per_token * tokens + ffn
-    floor = tokens * config.dim * 4 * 3 + ffn  # fp32 residual, its normed copy and the block output
+    ffn = min(local, FFN_CHUNK) * config.ffn_dim * FFN_BYTES
+    fitted = DENOISE_BASE + per_token * local + ffn
+    rope = (
+        min(tokens, ROPE_CHUNK) * (config.dim // ranks) * ROPE_BYTES
+    )  # a rank ropes H/N heads of all tokens
+    floor = local * config.dim * 4 * 3 + ffn + rope  # fp32 residual, its normed copy and the block output
     act = max(fitted, floor)
     if compile_:
-        act = max(act - COMPILE_SAVING_PER_TOKEN * scale * tokens, floor)
+        act = max(act - COMPILE_SAVING_PER_TOKEN * scale * local, floor)
+    if ranks > 1:
+        # Ulysses (wan.parallel): besides the local tokens' own q/k/v/output (in the per-token term), the
+        # all-to-all gives each rank the full sequence of its H/N heads for q, k and v, and the output goes
+        # back through a padded copy and a receive buffer: four [L_pad, H/N, d] bf16 buffers.
+        act += 4 * local * config.dim * 2
+        if config.control_type is not None:
+            # the camera tokens are embedded for all L tokens and a rank keeps a slice (a view) of them,
+            # so the whole bf16 [L, dim] stays alive through the forward; the per-token term has 1/N of it
+            act += (tokens - local) * config.dim * 2
+        # before the split every rank embeds all L tokens: the bf16 patch tokens, and the camera
+        # embedding's input, hidden, activation and output; with many ranks this can be the peak
+        embed = tokens * config.dim * 2 * (5 if config.control_type is not None else 1)
+        act = max(act, embed)
     return int(act)
+
+
+def encode_tile(lat_h: int, lat_w: int, tile, budget: int | None):
+    """The tile `WanVAE.encode` uses: None (whole frame) or (tile_h, tile_w). 'auto' resolves as the encode
+    does (`pick_tile` on the encoder's analytic bytes per latent pixel; `budget`: free VRAM at the
+    encode); a tile as big as the frame is the whole frame."""
+    if tile == "auto":
+        if budget is None:
+            return None
+        with warnings.catch_warnings():  # the plan itself says what does not fit
+            warnings.simplefilter("ignore")
+            tile = pick_tile(
+                None, lat_h, lat_w, budget, DEFAULT_OVERLAP, bytes_per_pixel=encode_bytes_per_pixel()
+            )
+    if tile is None:
+        return None
+    if (
+        len(tile_spans(lat_h, tile[0], DEFAULT_OVERLAP)) * len(tile_spans(lat_w, tile[1], DEFAULT_OVERLAP))
+        == 1
+    ):
+        return None
+    return min(tile[0], lat_h), min(tile[1], lat_w)
+
+
+@functools.cache
+def encode_bytes_per_pixel() -> int:
+    """`WanVAE.encode_bytes_per_latent_pixel` of the Wan2.1 VAE in fp32, as `loaders.vae.load_vae` loads it
+    (what 'auto' tiling decides with), from its structure alone (built on the meta device)."""
+    import torch
+
+    from ..wan.vae import WanVAE
+
+    with torch.device("meta"):
+        return WanVAE().encode_bytes_per_latent_pixel()
+
+
+def encode_vram(frame_num: int, lat_f: int, lat_h: int, lat_w: int, tile) -> int:
+    """The first-frame encode's peak: the VAE and the video on the device, the encoder's activations over
+    one tile (`tile`: None for the whole frame, as `encode_tile` gives it) and, when tiled, the fp32
+    latent accumulator, its weight sum and one tile's latent."""
+    pixels = lat_h * lat_w * 64
+    video = ENCODE_PER_PIXEL_FRAME * frame_num * pixels
+    if tile is None:
+        return int(VAE_BASE + video + ENCODE_PER_PIXEL * pixels)
+    area = tile[0] * tile[1]
+    z = 16
+    accum = z * lat_f * lat_h * lat_w * 4 + lat_h * lat_w * 4 + 2 * z * lat_f * area * 4 + area * 4
+    return int(VAE_BASE + video + ENCODE_PER_PIXEL * area * 64 + accum)
 
 
 def decode_vram(lat_f: int, lat_h: int, lat_w: int, tile) -> int:
@@ -146,10 +226,18 @@ class MemoryPlan:
     size: tuple  # (lat_h, lat_w, h, w)
     frame_num: int
     planner: object = field(default=None, compare=False, repr=False)  # the Planner that made it
+    encode_tile: object = None  # the first-frame encode's tile (None: whole frame)
+    ranks: int = 1  # sequence-parallel ranks: VRAM figures are rank 0's GPU, RAM the host's total
 
     @property
     def peak_vram(self) -> int:
+        """Rank 0's peak (the only rank with a single device); the largest of all ranks."""
         return max(p.vram for p in self.phases)
+
+    @property
+    def rank_peak_vram(self) -> int:
+        """Peak VRAM of each rank other than 0: the denoise alone (rank 0 encodes text and runs the VAE)."""
+        return max(p.vram for p in self.phases if p.name.startswith("denoise"))
 
     @property
     def peak_ram(self) -> int:
@@ -165,10 +253,18 @@ class MemoryPlan:
             f"swap_blocks {self.swap_blocks}, VAE tile {_tile_text(self.vae_tile)}",
             f"{'phase':<13} {'peak VRAM':>10} {'peak RAM':>10}",
         ]
+        if self.ranks > 1:
+            lines.insert(1, f"sequence parallel over {self.ranks} ranks: VRAM per rank (rank 0's GPU), "
+                            f"RAM for all {self.ranks} processes on this host")  # fmt: skip
         for p in self.phases:
             note = f"  {p.note}" if p.note else ""
             lines.append(f"{p.name:<13} {p.vram / GIB:>6.2f} GiB {p.ram / GIB:>6.2f} GiB{note}")
         lines.append(f"{'peak':<13} {self.peak_vram / GIB:>6.2f} GiB {self.peak_ram / GIB:>6.2f} GiB")
+        if self.ranks > 1:
+            lines.append(
+                f"ranks 1-{self.ranks - 1}: {self.rank_peak_vram / GIB:.2f} GiB of VRAM each (the denoise; "
+                "rank 0 alone encodes the text and runs the VAE)"
+            )
         return "\n".join(lines)
 
     def over(self, free_vram: int | None, free_ram: int | None = None) -> list:
@@ -217,11 +313,16 @@ class Planner:
         where = "child process" if r.t5_mode == "subprocess" else "this process"
         text = Phase("text_encode", t5_vram, t5_ram, f"T5 on {'GPU' if t5_gpu else 'CPU'}, {where}")
 
-        enc_vram = VAE_BASE + pixels * (ENCODE_PER_PIXEL + ENCODE_PER_PIXEL_FRAME * self.frame_num)
+        # 'auto' encode tiling decides from the VRAM free once the VAE and the video are on the device
+        video = 3 * 4 * self.frame_num * pixels  # the fp32 first-frame video (vae_input)
+        enc_budget = None if budget is None else budget - VAE_BASE - video
+        enc_tile = encode_tile(lat_h, lat_w, r.vae_tile, enc_budget)
+        enc_vram = encode_vram(self.frame_num, lat_f, lat_h, lat_w, enc_tile)
         enc_ram = max(PROCESS_RAM, ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * self.frame_num)
-        encode = Phase("vae_encode", int(enc_vram), int(enc_ram))
+        encode = Phase("vae_encode", int(enc_vram), int(enc_ram), f"tile {_tile_text(enc_tile)}")
 
-        act = activation_vram(tokens, cfg, r.compile)
+        ranks = r.ulysses_size
+        act = activation_vram(tokens, cfg, r.compile, ranks)
         lora = r.lora_bytes or {}
         swap = r.swap_blocks
         if swap == "auto":
@@ -233,6 +334,8 @@ class Planner:
             pinned = int(swap) * (nbytes // max(cfg.num_layers, 1))  # host copies of the swapped blocks
             vram = weights + int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
             note = f"expert {nbytes / GIB:.2f} GiB" + (f", {swap} blocks in pinned RAM" if swap else "")
+            if ranks > 1:
+                note += f", {-(-tokens // ranks):,} tokens per rank"
             denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + pinned, note))
 
         tile = r.vae_tile
@@ -242,9 +345,13 @@ class Planner:
         decode = Phase(
             "vae_decode", decode_vram(lat_f, lat_h, lat_w, tile), dec_ram, f"tile {_tile_text(tile)}"
         )
+        phases = (text, encode, *denoise, decode)
+        if ranks > 1:  # every rank is a process of its own on this host: RAM is the host's total
+            others = (ranks - 1) * PROCESS_RAM
+            phases = tuple(replace(p, ram=p.ram + others) for p in phases)
         return MemoryPlan(
-            phases=(text, encode, *denoise, decode), swap_blocks=int(swap), vae_tile=tile, tokens=tokens,
-            size=self.size, frame_num=self.frame_num, planner=self,
+            phases=phases, swap_blocks=int(swap), vae_tile=tile, tokens=tokens, size=self.size,
+            frame_num=self.frame_num, planner=self, encode_tile=enc_tile, ranks=ranks,
         )  # fmt: skip
 
     def _auto_swap(self, act: int, lora: dict, budget: int | None) -> int:
@@ -276,7 +383,7 @@ class Planner:
         if "text_encode" in failing and self.request.t5_device != "cpu":
             base.append(("t5_cpu", True))
             planner = planner.with_(t5_device="cpu")
-        if "vae_decode" in failing and self.request.vae_tile is None:
+        if {"vae_encode", "vae_decode"} & failing and self.request.vae_tile is None:
             base.append(("vae_tile", "auto"))
             planner = planner.with_(vae_tile="auto")
         if base and fits(planner):
@@ -300,6 +407,9 @@ class Planner:
         return out
 
     def _fitting_swap(self, fits):
+        # sequence parallel does not take block swap (request.check_ulysses)
+        if self.request.ulysses_size > 1:
+            return None
         start = 0 if self.request.swap_blocks == "auto" else int(self.request.swap_blocks)
         for swap in range(start + 1, self.config.num_layers + 1):
             if fits(self.with_(swap_blocks=swap)):

@@ -190,6 +190,7 @@ def plan_request(
     memory=None,
     swap_blocks: int | str = 0,
     ulysses_size: int = 1,
+    ulysses_world: int | None = None,
 ) -> Plan:
     """Check a request from sizes alone (nothing loaded): the image's (H, W), the experts' config, the
     sampler settings (their frame_num/max_area are ignored in favour of the arguments), the camera input,
@@ -201,7 +202,9 @@ def plan_request(
     and a request that does not fit is refused (MemoryPlanError) before anything loads. `swap_blocks`:
     how many DiT blocks of the resident expert stream from pinned host RAM (0..num_layers, or 'auto').
     `ulysses_size`: ranks of the initialized torch.distributed world that split each forward's tokens (1: one
-    device); it must equal the world size and divide the heads."""
+    device); it must equal the world size and divide the heads. `ulysses_world`: the world size to check it
+    against (default: the initialized process group's); `lingbot.py plan` passes `ulysses_size` to plan
+    for ranks it does not start. With `memory`, the memory checked is each rank's (see loaders.planner)."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -230,13 +233,15 @@ def plan_request(
     if isinstance(swap_blocks, str):
         swap_blocks = swap_blocks.strip().lower()
         swap_blocks = swap_blocks if swap_blocks == "auto" else int(swap_blocks)
-    check_ulysses(ulysses_size, config, speed, swap_blocks)
+    check_ulysses(ulysses_size, config, speed, swap_blocks, ulysses_world)
     settings = replace(settings, frame_num=frames)
     memory_plan = None
     if memory is not None:
         from .planner import Planner
 
-        request = replace(memory.request, compile=bool(speed.compile), swap_blocks=swap_blocks)
+        request = replace(
+            memory.request, compile=bool(speed.compile), swap_blocks=swap_blocks, ulysses_size=ulysses_size
+        )
         memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
         if swap_blocks == "auto" and memory.free_vram is not None:  # the least swapping that fits
             swap_blocks = memory_plan.swap_blocks
@@ -247,8 +252,11 @@ def plan_request(
     )  # fmt: skip
 
 
-def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, swap_blocks) -> None:
-    """Sequence parallel: a head count it divides, the world it runs in, and only the settings tested with it."""
+def check_ulysses(
+    size, config: DiTConfig, speed: SpeedOptions, swap_blocks, world: int | None = None
+) -> None:
+    """Sequence parallel: a head count it divides, the world it runs in (`world`, default: the initialized
+    process group's size), and only the settings tested with it."""
     _number("ulysses_size", size, 1, 1024, integer=True)
     if size == 1:
         return
@@ -256,7 +264,7 @@ def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, swap_blocks) -> 
         raise RequestError(
             "ulysses_size", f"{size} does not divide the experts' {config.num_heads} attention heads"
         )
-    world = world_size()
+    world = world_size() if world is None else world
     if world != size:
         raise RequestError(
             "ulysses_size",

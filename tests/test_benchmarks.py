@@ -166,3 +166,32 @@ def test_bench_fast(tmp_path):
     }
     assert 0 < kv["local6_sink3"] < kv["local9_sink3"] < kv["full"] and kv["full_kv_fp8"] < kv["full"]
     assert s["upstream"] == {"skipped": "no --upstream"}
+
+
+def test_bench_planner(tmp_path):
+    s = run_tiny("bench_planner.py", tmp_path)
+    cases = {c["case"]: c for c in s["cases"]}
+    assert list(cases) == [
+        "480p_81_guide1", "480p_81", "480p_81_swap_half", "encode_480p_81", "480p_161", "encode_720p_81",
+        "decode_480p_81", "720p_81", "720p_81_swap_all", "720p_161_swap_all",
+    ]  # fmt: skip
+    denoise = [c for c in s["cases"] if c["phase"] == "denoise"]
+    assert len(denoise) >= 6 and all(c["finite"] and c["seconds"] > 0 for c in s["cases"])
+    assert all(c["predicted_bytes"] > 0 for c in s["cases"])
+    # the planner's answers for the grid: one forward per step leaves the peak as it is, more frames raise
+    # it, swapping never does (the tiny expert's 2 blocks are both in flight: no saving to show)
+    pred = {k: c["predicted_bytes"] for k, c in cases.items()}
+    assert pred["480p_81_guide1"] == pred["480p_81"] >= pred["480p_81_swap_half"]
+    assert pred["480p_161"] > pred["480p_81"] and pred["720p_81"] >= pred["720p_81_swap_all"]
+    assert cases["480p_81_swap_half"]["swap_blocks"] == 1 and cases["720p_81_swap_all"]["swap_blocks"] == 2
+    assert (
+        cases["720p_161_swap_all"]["frames"] == 9
+        and cases["720p_161_swap_all"]["tokens"] > cases["720p_81"]["tokens"]
+    )
+    # CPU: nothing measured, nothing claimed
+    assert s["device"] == "cpu" and s["measured_cases"] == 0 and s["max_abs_rel_error"] is None
+    assert all("measured_gib" not in c for c in s["cases"])
+    assert s["720p_161_swap_all_on_24gib"]["measured_fits"] is None
+    # the partial results file holds the same cases, written as they ended
+    partial = json.loads((tmp_path / "w" / "bench_planner.json").read_text())
+    assert partial["cases"] == s["cases"]

@@ -177,3 +177,128 @@ def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     roomy = plan_request((480, 832), A14B, SampleConfig(), max_area=480 * 832, swap_blocks="auto",
                          memory=mp.MemoryCheck(request, "cuda", free_vram=40 * GIB))  # fmt: skip
     assert roomy.swap_blocks == 0
+
+
+# --- the first-frame encode follows the encode's own tiling --------------------------------------
+
+
+class _Picked(Exception):
+    pass
+
+
+def encode_pick(monkeypatch, h, w, frames, budget):
+    """The tile `WanVAE.encode(tile='auto')` chooses for an h x w x frames video with `budget` bytes free
+    (the full-size VAE on the meta device; stopped right after the choice)."""
+    from lingbot_world.wan import vae as V
+
+    picked = {}
+    real = mp.pick_tile  # the original (an earlier call may have replaced V.pick_tile)
+
+    def spy(*args, **kw):
+        picked["tile"] = real(*args, **kw)
+        raise _Picked
+
+    monkeypatch.setattr(V, "free_vram", lambda device: budget)
+    monkeypatch.setattr(V, "pick_tile", spy)
+    monkeypatch.setattr(V, "check_video", lambda video: None)  # a meta video has no values to check
+    with torch.device("meta"):
+        vae = V.WanVAE()
+    with pytest.raises(_Picked):
+        vae.encode(torch.empty(3, frames, h, w, device="meta"), tile="auto")
+    return picked["tile"]
+
+
+@pytest.mark.parametrize("h,w,frames", [(480, 832, 81), (720, 1280, 81), (720, 1280, 161)])
+def test_encode_tile_is_the_one_the_encode_picks(monkeypatch, h, w, frames):
+    seen = []
+    for free in (6, 8, 12, 16, 24, 40):
+        plan = planner(h, w, frames).plan(free * GIB)
+        ph, pw = plan.size[2:]  # the size the pipeline runs (480p: 464 x 832)
+        # what the encode sees free: the plan's budget less the VAE and the video already on the device
+        budget = free * GIB - mp.VAE_BASE - 12 * frames * ph * pw
+        assert plan.encode_tile == encode_pick(monkeypatch, ph, pw, frames, budget), free
+        assert plan.phase("vae_encode").note == f"tile {mp._tile_text(plan.encode_tile)}"
+        seen.append(plan.phase("vae_encode").vram)
+    assert seen == sorted(seen)  # more free VRAM: a larger tile (or none), never a smaller peak
+    untiled = planner(h, w, frames, vae_tile=None).plan(6 * GIB).phase("vae_encode").vram
+    assert planner(h, w, frames).plan().phase("vae_encode").vram == untiled  # no budget known: whole frame
+    if planner(h, w, frames).plan(6 * GIB).encode_tile is not None:
+        assert seen[0] < untiled  # tiling saves what scales with the frame's area
+
+
+def test_explicit_encode_tile_bounds_the_encode():
+    whole = planner(720, 1280, 81, vae_tile=None).plan()
+    tiled = planner(720, 1280, 81, vae_tile=(48, 64)).plan()
+    big = planner(720, 1280, 81, vae_tile=(200, 200)).plan()  # one tile covering the frame: untiled
+    assert tiled.encode_tile == (48, 64) and big.encode_tile is None
+    assert big.phase("vae_encode").vram == whole.phase("vae_encode").vram
+    enc = tiled.phase("vae_encode").vram
+    # the activations shrink to the tile's area; the video, the VAE and the fp32 accumulators stay
+    area_share = (48 * 64) / (90 * 160)
+    assert enc < whole.phase("vae_encode").vram * 0.5
+    assert enc > mp.VAE_BASE + 18 * 81 * 720 * 1280 + area_share * mp.ENCODE_PER_PIXEL * 720 * 1280
+    # an encode that does not fit untiled is answered with tiling first
+    with pytest.raises(mp.MemoryPlanError, match="--vae_tile auto") as err:
+        mp.check(planner(720, 1280, 81, vae_tile=None, t5_device="cpu", swap_blocks=40), 16 * GIB)
+    assert err.value.phase == "vae_encode"
+
+
+# --- sequence parallel: per-rank memory ------------------------------------------------------------
+
+
+def test_ulysses_plan_is_per_rank():
+    one = planner(720, 1280, 161, t5_device="cpu").plan()
+    tokens, dim = one.tokens, A14B.dim
+    previous = one.phase("denoise_high").vram
+    for n in (2, 4, 8):
+        plan = planner(720, 1280, 161, t5_device="cpu", ulysses_size=n).plan()
+        assert plan.ranks == n and plan.tokens == tokens
+        den = plan.phase("denoise_high").vram
+        # every rank holds the whole expert; activations fall with the share of tokens
+        assert mp.expert_vram(NF4, A14B.num_layers, 0) < den < previous
+        previous = den
+        local = -(-tokens // n)
+        act = mp.activation_vram(tokens, A14B, ranks=n)
+        # the local tokens' activations, the four all-to-all buffers (q, k, v and the output: the full
+        # sequence of H/N heads in bf16) and the camera tokens embedded for the whole sequence
+        assert act >= mp.activation_vram(local, A14B) + 4 * local * dim * 2 + (tokens - local) * dim * 2
+        assert act >= tokens * dim * 2 * 5  # every rank embeds all tokens before the split
+        # rank 0 alone runs the text encoder and the VAE: those phases are the single-device ones
+        for name in ("text_encode", "vae_encode", "vae_decode"):
+            assert plan.phase(name).vram == one.phase(name).vram
+        assert plan.rank_peak_vram == den
+        # RAM is the host's: the other ranks' processes beside rank 0's
+        assert plan.phase("denoise_low").ram == one.phase("denoise_low").ram + (n - 1) * mp.PROCESS_RAM
+        text = plan.table()
+        assert f"sequence parallel over {n} ranks" in text and f"ranks 1-{n - 1}: " in text
+        assert f"{local:,} tokens per rank" in text
+    assert mp.activation_vram(tokens, A14B, ranks=1) == mp.activation_vram(tokens, A14B)
+
+
+def test_plan_request_checks_per_rank_memory():
+    from lingbot_world.loaders.request import plan_request
+    from lingbot_world.wan.config import SampleConfig
+
+    request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu", vae_tile="auto")
+    check = mp.MemoryCheck(request, "cuda", free_vram=22 * GIB)
+
+    def plan(n):
+        return plan_request((720, 1280), A14B, SampleConfig(), frame_num=161, max_area=720 * 1280,
+                            memory=check, ulysses_size=n, ulysses_world=n)  # fmt: skip
+
+    with pytest.raises(mp.MemoryPlanError) as err:
+        plan(1)
+    assert err.value.phase == "denoise_high"
+    p4 = plan(4)
+    assert p4.ulysses_size == 4 and p4.memory.ranks == 4 and p4.memory.peak_vram <= 22 * GIB
+    with pytest.raises(mp.MemoryPlanError) as err:  # two ranks still need more than 22 GiB each
+        plan(2)
+    assert err.value.phase.startswith("denoise") and "--swap_blocks" not in str(err.value)  # not with ulysses
+
+
+def test_plan_subcommand_prints_per_rank_figures(demo_ckpt, capsys):
+    assert cli.main(["plan", *generate_argv(demo_ckpt, "--ulysses_size", "2")]) == 0
+    out = capsys.readouterr().out
+    assert "sequence parallel over 2 ranks" in out and "ranks 1-1:" in out and "tokens per rank" in out
+    assert cli.main(["plan", *generate_argv(demo_ckpt, "--ulysses_size", "3")]) == 2  # 4 heads
+    assert "does not divide" in capsys.readouterr().err

@@ -37,14 +37,42 @@ class CheckpointFiles:
         return self.config.control_type
 
 
-def _first(root: Path, names) -> Path | None:
-    """The first of `names` present in `root`, readable or not (its loader names what is wrong)."""
-    return next((root / n for n in names if exists(root / n)), None)
+def _first(roots, names) -> Path | None:
+    """The first of `names` present in the first of `roots` holding one, readable or not (its loader
+    names what is wrong)."""
+    return next((root / n for root in roots for n in names if exists(root / n)), None)
 
 
 def _unusable(path: Path, role: str) -> list[str]:
     problem = path_problem(path)
     return [] if problem is None else [f"{path} ({role}): {problem}"]
+
+
+def find_assets(roots, missing: list) -> tuple[Path | None, Path | None, Path | None]:
+    """(text encoder, tokenizer or None when the encoder carries its own, VAE), each looked up in
+    `roots` in order; what is absent or unusable is appended to `missing`, named under roots[0]."""
+    roots = [Path(r) for r in roots]
+    text_encoder = _first(roots, TEXT_ENCODER_NAMES)
+    tokenizer = None
+    if text_encoder is None:
+        missing.append(f"{roots[0] / TEXT_ENCODER_NAMES[0]} (text encoder)")
+    elif _unusable(text_encoder, "text encoder"):
+        missing += _unusable(text_encoder, "text encoder")
+    else:
+        try:
+            source = resolve_tokenizer(encoder_path=text_encoder)
+            tokenizer = None if source.kind == "embedded" else source.path
+        except (FileNotFoundError, ValueError):
+            where = text_encoder.parent
+            missing.append(
+                f"{where / 'tokenizer'}/tokenizer.json or {where / 'google' / 'umt5-xxl'}/ (tokenizer)"
+            )
+    vae = _first(roots, VAE_NAMES)
+    if vae is None:
+        missing.append(f"{roots[0] / VAE_NAMES[0]} (VAE)")
+    else:
+        missing += _unusable(vae, "VAE")
+    return text_encoder, tokenizer, vae
 
 
 def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
@@ -55,25 +83,7 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
     except FileNotFoundError as err:
         experts = None
         missing.append(str(err).split("missing: ", 1)[-1])
-    text_encoder = _first(root, TEXT_ENCODER_NAMES)
-    tokenizer = None
-    if text_encoder is None:
-        missing.append(f"{root / TEXT_ENCODER_NAMES[0]} (text encoder)")
-    elif _unusable(text_encoder, "text encoder"):
-        missing += _unusable(text_encoder, "text encoder")
-    else:
-        try:
-            source = resolve_tokenizer(encoder_path=text_encoder)
-            tokenizer = None if source.kind == "embedded" else source.path
-        except (FileNotFoundError, ValueError):
-            missing.append(
-                f"{root / 'tokenizer'}/tokenizer.json or {root / 'google' / 'umt5-xxl'}/ (tokenizer)"
-            )
-    vae = _first(root, VAE_NAMES)
-    if vae is None:
-        missing.append(f"{root / VAE_NAMES[0]} (VAE)")
-    else:
-        missing += _unusable(vae, "VAE")
+    text_encoder, tokenizer, vae = find_assets([root], missing)
     if missing:
         raise FileNotFoundError(
             f"{root}: incomplete checkpoint, missing or unusable:\n  - " + "\n  - ".join(missing)

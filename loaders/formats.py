@@ -159,22 +159,28 @@ def _lacks(path: Path) -> list[str]:
     return [str(path) if problem == "not found" else f"{path} ({problem})"]
 
 
-def _folder_missing(folder: Path) -> list[str] | None:
+def folder_missing(folder: Path, need_config: bool = True) -> list[str] | None:
     """What a folder lacks to be a complete expert (missing or unreadable files), or None when it
     is no expert folder at all. A file that is there but unusable (a folder, a symlink loop, no
-    read permission) counts as there, and is listed with what is wrong with it."""
+    read permission) counts as there, and is listed with what is wrong with it. need_config False:
+    a config.json is optional (checked only when present)."""
+
+    def config():
+        cfg = folder / CONFIG
+        return _lacks(cfg) if need_config or exists(cfg) else []
+
     for name in (NF4_WEIGHTS, NF4_PT):
         if exists(folder / name):
-            return _lacks(folder / name) + _lacks(folder / CONFIG)
+            return _lacks(folder / name) + config()
     index = folder / DIFFUSERS_INDEX
     if exists(index):
-        missing = _lacks(folder / CONFIG)
+        missing = config()
         if path_problem(index) is not None:
             return missing + _lacks(index)
         shards = sorted(set(_weight_map(index).values()))
         return missing + [entry for s in shards for entry in _lacks(folder / s)]
     if exists(folder / DIFFUSERS_SINGLE):
-        return _lacks(folder / CONFIG) + _lacks(folder / DIFFUSERS_SINGLE)
+        return config() + _lacks(folder / DIFFUSERS_SINGLE)
     return None
 
 
@@ -188,11 +194,11 @@ def find_experts(ckpt_dir) -> dict:
     found, missing = {}, []
     for role, names in EXPERT_DIRS.items():
         folders = [root / n for n in names if (root / n).is_dir()]
-        complete = [f for f in folders if _folder_missing(f) == []]
+        complete = [f for f in folders if folder_missing(f) == []]
         if complete or folders:  # a complete one first, else the first present, with what it lacks
             folder = (complete or folders)[0]
             found[role] = folder
-            lacks = _folder_missing(folder)
+            lacks = folder_missing(folder)
             if lacks is None:
                 weights = NF4_WEIGHTS if folder.name.endswith("_bnb_nf4") else DIFFUSERS_SINGLE
                 lacks = [str(folder / weights)] + _lacks(folder / CONFIG)
@@ -571,15 +577,20 @@ def _check_quant_meta(meta: dict, cfg: DiTConfig, quant: dict, path: Path) -> No
 # ----------------------------------------------------------------------------- entry point
 
 
-def detect_expert_format(path) -> ExpertSource:
+def detect_expert_format(path, require_config: bool = True) -> ExpertSource:
     """Identify, read headers of and fully validate one expert checkpoint (no weights are read).
 
     ``path``: an expert folder (NF4 repack or diffusers layout), a ``model.safetensors`` /
     ``model.pt`` inside one, or a single ``.safetensors`` file. Raises FileNotFoundError or
     CheckpointError (a ValueError) naming the file and tensors at fault.
+    require_config: False accepts a folder without ``config.json`` (LingBot-World-Fast ships none):
+    the architecture then comes from the tensor shapes alone, num_heads as dim / 128 and text_len,
+    eps and the rest as the A14B config's.
     """
     path = Path(path)
     kind, files, cfg_path = _resolve(path)
+    if not require_config and cfg_path is not None and not exists(cfg_path):
+        cfg_path = None
     config = (
         _read_json(cfg_path, f"expert config (the {kind} layout needs it)") if cfg_path is not None else {}
     )

@@ -292,3 +292,50 @@ def test_bad_values_and_latents(tiny):
         tiny.decode(torch.zeros(16, 1, 4, 4), tile=(4,))
     with pytest.raises(ValueError, match="overlap must be"):
         tiny.decode(torch.zeros(16, 1, 4, 4), tile=(4, 4), overlap=4)
+
+
+# --- chunked decode (LingBot-World-Fast hands the latent over 3 frames at a time) ---------------------
+
+
+def test_chunk_decoder_equals_full_decode(tiny):
+    z = torch.randn(16, 9, 3, 4, generator=_gen(11))
+    full = tiny.decode(z)
+    with tiny.chunk_decoder() as dec:
+        parts = [dec.decode(z[:, i : i + 3]) for i in range(0, 9, 3)]
+        assert (dec.latent_frames, dec.frames) == (9, 33)
+    assert [p.shape[1] for p in parts] == [9, 12, 12]
+    assert torch.equal(torch.cat(parts, dim=1), full)
+    # any piece size: the first call gives 4(n-1)+1 frames, later ones 4n
+    with tiny.chunk_decoder(chunk_frames=1) as dec:
+        parts = [dec.decode(z[:, a:b]) for a, b in ((0, 1), (1, 5), (5, 7), (7, 9))]
+    assert [p.shape[1] for p in parts] == [1, 16, 8, 8]
+    assert torch.equal(torch.cat(parts, dim=1), tiny.decode(z, chunk_frames=1))
+
+
+def test_chunk_decoder_tiled_equals_tiled_decode(tiny):
+    z = torch.randn(16, 6, 7, 9, generator=_gen(12))
+    full = tiny.decode(z, tile=(5, 6), overlap=3)
+    assert not torch.equal(full, tiny.decode(z))  # the tiles really blend
+    with tiny.chunk_decoder(tile=(5, 6), overlap=3) as dec:
+        got = torch.cat([dec.decode(z[:, :3]), dec.decode(z[:, 3:])], dim=1)
+    assert torch.equal(got, full)
+    with tiny.chunk_decoder(tile="auto") as dec:  # CPU: no budget, one tile
+        got = torch.cat([dec.decode(z[:, :3]), dec.decode(z[:, 3:])], dim=1)
+        assert dec.tile is None
+    assert torch.equal(got, tiny.decode(z))
+
+
+def test_chunk_decoder_bad_input(tiny):
+    dec = tiny.chunk_decoder()
+    dec.decode(torch.zeros(16, 3, 4, 4))
+    with pytest.raises(ValueError, match=r"4x6 latent pixels but the stream started at 4x4"):
+        dec.decode(torch.zeros(16, 3, 4, 6))
+    with pytest.raises(ValueError, match=r"\[16, T, h, w\]"):
+        dec.decode(torch.zeros(16, 3, 4))
+    dec.close()
+    with pytest.raises(ValueError, match="closed"):
+        dec.decode(torch.zeros(16, 3, 4, 4))
+    with pytest.raises(ValueError, match="tile must be"):
+        tiny.chunk_decoder(tile=(4,))
+    with pytest.raises(ValueError, match="chunk_frames must be"):
+        tiny.chunk_decoder(chunk_frames=0)

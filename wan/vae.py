@@ -444,60 +444,15 @@ class WanVAE(nn.Module):
         streams through all frames with its own cache. out_device: where the video is assembled
         (default: the model's device).
         """
-        check_latent(latent, self.z_dim)
-        if chunk_frames < 1:
-            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
-        z_t, h, w = latent.shape[1:]
-        frames = TEMPORAL_STRIDE * (z_t - 1) + 1
-        out_device = torch.device(out_device) if out_device is not None else self.device
-        if tile == "auto":
-            budget = free_vram(self.device)
-            if budget is not None and out_device == self.device:
-                budget -= 3 * frames * h * w * SPATIAL_STRIDE**2 * 4  # the fp32 output video
-            tile = pick_tile(self, h, w, budget, overlap, chunk_frames)
-        if tile is None:
-            ys, xs = [(0, h)], [(0, w)]
-        else:
-            check_tile(tile, overlap)
-            ys, xs = tile_spans(h, tile[0], overlap), tile_spans(w, tile[1], overlap)
+        with self.chunk_decoder(tile, overlap, chunk_frames, out_device) as decoder:
+            return decoder.decode(latent)
 
-        mean, inv_std = self._stats(latent.device)
-        z = (latent.float() / inv_std + mean).to(self.device, self.dtype).unsqueeze(0)
-        z = self.conv2(z)
-        s = SPATIAL_STRIDE
-        out = torch.zeros(3, frames, h * s, w * s, dtype=torch.float32, device=out_device)
-        weight_sum = (
-            torch.zeros(h * s, w * s, dtype=torch.float32, device=out_device)
-            if len(ys) * len(xs) > 1
-            else None
-        )
-        for iy, (y0, y1) in enumerate(ys):
-            for ix, (x0, x1) in enumerate(xs):
-                wmap = None
-                if weight_sum is not None:
-                    wmap = torch.outer(_ramp(ys, iy, s), _ramp(xs, ix, s)).to(out_device)
-                    weight_sum[y0 * s : y1 * s, x0 * s : x1 * s] += wmap
-                self._decode_tile(
-                    z[..., y0:y1, x0:x1], out[..., y0 * s : y1 * s, x0 * s : x1 * s], wmap, chunk_frames
-                )
-        del z
-        if weight_sum is not None:
-            out /= weight_sum
-        return out.clamp_(-1, 1)
-
-    def _decode_tile(self, z, out, wmap, chunk_frames):
-        cache: Cache = {}
-        f = 0
-        for t in range(z.shape[2]):
-            for chunk in self.decoder.stream(z[:, :, t : t + 1], cache, chunk_frames):
-                n = chunk.shape[2]
-                chunk = chunk[0].to(out.device, torch.float32)
-                if wmap is None:
-                    out[:, f : f + n] = chunk
-                else:
-                    out[:, f : f + n] += chunk.mul_(wmap)
-                f += n
-                del chunk
+    def chunk_decoder(
+        self, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2, out_device=None
+    ) -> "ChunkDecoder":
+        """A `ChunkDecoder`: decodes a latent handed over in consecutive pieces of latent frames (the
+        causal caches carried between them), the concatenated output equal to one `decode`."""
+        return ChunkDecoder(self, tile, overlap, chunk_frames, out_device)
 
     def decode_bytes_per_latent_pixel(self, chunk_frames: int = 2) -> int:
         """Analytic peak decode memory per latent pixel of a tile (model dtype, output buffer excluded).
@@ -525,6 +480,112 @@ class WanVAE(nn.Module):
                         frames = chunk_frames
         act_elems = (3 * min(chunk_frames, frames) + CACHE_T) * peak + held
         return (cache_elems + act_elems) * self.dtype.itemsize
+
+
+class ChunkDecoder:
+    """Decodes one latent handed over in consecutive pieces of latent frames, as a causal stream.
+
+    Each call takes the next latent frames [z, n, h, w] (any n >= 1; LingBot-World-Fast hands over
+    3 per chunk) and returns their video frames: 4(n-1)+1 for the first call, 4n after it, so chunks
+    of 3 give 9, 12, 12, ... frames. Every tile keeps its causal-conv cache between calls, so the
+    concatenated output equals `WanVAE.decode` of the whole latent with the same tile settings,
+    bit for bit. The tile grid ('auto' included) is fixed by the first call and every later call
+    must have the same h, w. `close()` (or leaving a `with` block) frees the caches.
+    """
+
+    def __init__(self, vae: WanVAE, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2,
+                 out_device=None):  # fmt: skip
+        if not isinstance(chunk_frames, int) or chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
+        if tile is not None and tile != "auto":
+            check_tile(tile, overlap)
+        self.vae, self.tile, self.overlap, self.chunk_frames = vae, tile, overlap, chunk_frames
+        self.out_device = torch.device(out_device) if out_device is not None else vae.device
+        self.latent_frames = 0  # latent frames decoded so far
+        self.frames = 0  # video frames returned so far
+        self.closed = False
+        self._size = None  # (h, w) of the latent, fixed by the first call
+        self._tiles = []  # [((y0, y1), (x0, x1), wmap or None, cache)] per tile
+        self._weight_sum = None
+
+    def __enter__(self) -> "ChunkDecoder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the caches; the decoder takes no more chunks."""
+        self._tiles, self._weight_sum, self.closed = [], None, True
+
+    def _plan(self, h: int, w: int, frames: int) -> None:
+        vae, tile, s = self.vae, self.tile, SPATIAL_STRIDE
+        if tile == "auto":
+            budget = free_vram(vae.device)
+            if budget is not None and self.out_device == vae.device:
+                budget -= 3 * frames * h * w * s**2 * 4  # the fp32 output video
+            tile = pick_tile(vae, h, w, budget, self.overlap, self.chunk_frames)
+        if tile is None:
+            ys, xs = [(0, h)], [(0, w)]
+        else:
+            check_tile(tile, self.overlap)
+            ys, xs = tile_spans(h, tile[0], self.overlap), tile_spans(w, tile[1], self.overlap)
+        self.tile, self._size = tile, (h, w)
+        if len(ys) * len(xs) > 1:
+            self._weight_sum = torch.zeros(h * s, w * s, dtype=torch.float32, device=self.out_device)
+        for iy, span_y in enumerate(ys):
+            for ix, span_x in enumerate(xs):
+                wmap = None
+                if self._weight_sum is not None:
+                    wmap = torch.outer(_ramp(ys, iy, s), _ramp(xs, ix, s)).to(self.out_device)
+                    self._weight_sum[span_y[0] * s : span_y[1] * s, span_x[0] * s : span_x[1] * s] += wmap
+                self._tiles.append((span_y, span_x, wmap, {}))
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """The next normalised latent frames [z, n, h, w] -> their video frames [3, F, 8h, 8w] fp32 in
+        [-1, 1], F = 4(n-1)+1 on the first call and 4n after it."""
+        if self.closed:
+            raise ValueError("ChunkDecoder.decode: the decoder is closed (start a new chunk_decoder)")
+        vae = self.vae
+        check_latent(latent, vae.z_dim)
+        n, h, w = latent.shape[1:]
+        first = self._size is None
+        frames = TEMPORAL_STRIDE * n - (TEMPORAL_STRIDE - 1 if first else 0)
+        if first:
+            self._plan(h, w, frames)
+        elif (h, w) != self._size:
+            raise ValueError(
+                f"ChunkDecoder.decode: latent chunk is {h}x{w} latent pixels but the stream started at "
+                f"{self._size[0]}x{self._size[1]}; every chunk of one video has the same size"
+            )
+        mean, inv_std = vae._stats(latent.device)
+        z = vae.conv2((latent.float() / inv_std + mean).to(vae.device, vae.dtype).unsqueeze(0))
+        s = SPATIAL_STRIDE
+        out = torch.zeros(3, frames, h * s, w * s, dtype=torch.float32, device=self.out_device)
+        for (y0, y1), (x0, x1), wmap, cache in self._tiles:
+            part = out[..., y0 * s : y1 * s, x0 * s : x1 * s]
+            f = 0
+            for t in range(n):
+                for piece in vae.decoder.stream(z[:, :, t : t + 1, y0:y1, x0:x1], cache, self.chunk_frames):
+                    k = piece.shape[2]
+                    piece = piece[0].to(out.device, torch.float32)
+                    if wmap is None:
+                        part[:, f : f + k] = piece
+                    else:
+                        part[:, f : f + k] += piece.mul_(wmap)
+                    f += k
+                    del piece
+            if f != frames:  # the decoder's temporal upsampling is what gives 4 frames per latent frame
+                raise RuntimeError(
+                    f"ChunkDecoder: decoder gave {f} frames for {n} latent frames, expected {frames}"
+                )
+        del z
+        if self._weight_sum is not None:
+            out /= self._weight_sum
+        self.latent_frames += n
+        self.frames += frames
+        return out.clamp_(-1, 1)
 
 
 def _ramp(spans: list[tuple[int, int]], i: int, s: int) -> torch.Tensor:

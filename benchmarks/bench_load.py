@@ -2,6 +2,7 @@
 
     python benchmarks/bench_load.py --scale tiny              # CPU, seconds
     python benchmarks/bench_load.py --scale full              # A14B cam expert, ~9.6 GB NF4, CUDA
+    python benchmarks/bench_load.py --scale full --format fp32  # the Fast layout, 69 GiB fp32 -> NF4
 
 Writes a random checkpoint under --workdir (the NF4 repack's exact format, generated tensor by
 tensor in packed form; reused when present), then runs each measurement in a fresh child process:
@@ -216,7 +217,7 @@ def run_child(args) -> None:
     pack()
     from lingbot_world.loaders.formats import detect_expert_format
 
-    src = detect_expert_format(args.ckpt)
+    src = detect_expert_format(args.ckpt, require_config=args.format != "fp32")
     device = _device(args.device)
     if args.child == "io_floor":
         out = child_io_floor(src, device)
@@ -238,7 +239,7 @@ def spawn(args, mode, ckpt, workdir, cap_bytes=None, timeout=None, staging_mb=No
     for p in (result, progress):
         p.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--device", args.device,
-           "--result", str(result), "--progress", str(progress)]  # fmt: skip
+           "--result", str(result), "--progress", str(progress), "--format", args.format]  # fmt: skip
     staging_mb = args.staging_mb if staging_mb is None else staging_mb
     if staging_mb is not None:
         cmd += ["--staging-mb", str(staging_mb)]
@@ -299,14 +300,19 @@ def write_checkpoint(args, cfg, workdir: Path) -> tuple[Path, dict]:
         return ckpt, {"reused": True}
     from lingbot_world.loaders.monitor import RssSampler
 
+    full = args.scale == "full"
     with RssSampler() as sampler:
         t0 = time.perf_counter()
         if args.format == "nf4":
             S.write_nf4_expert(ckpt, cfg, args.seed, mode="random" if args.scale == "full" else "quantize")
-        else:
+        elif args.format == "bf16":
             S.write_diffusers_expert(
                 ckpt, cfg, args.seed, dtype=torch.bfloat16, shards=1 if args.scale == "tiny" else 4
             )
+        else:  # LingBot-World-Fast as released: 16 fp32 shards + index, no config.json
+            S.write_diffusers_expert(ckpt, cfg, args.seed, dtype=torch.float32, shards=16 if full else 3)
+            if full:  # (a tiny config's head count cannot be inferred from its shapes: keep it there)
+                (ckpt / "config.json").unlink()
         seconds = time.perf_counter() - t0
     stamp.write_text(json.dumps(wanted))
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
@@ -320,8 +326,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--layers", type=int, default=None, help="override num_layers (scale between tiny and full)"
     )
-    p.add_argument("--format", choices=["nf4", "bf16"], default="nf4",
-                   help="nf4: the repack's model.safetensors; bf16: an upstream expert, quantized while loading")  # fmt: skip
+    p.add_argument("--format", choices=["nf4", "bf16", "fp32"], default="nf4",
+                   help="nf4: the repack's model.safetensors; bf16: an upstream expert, quantized while loading; "
+                        "fp32: LingBot-World-Fast's layout (16 fp32 shards, no config.json), quantized while loading")  # fmt: skip
     p.add_argument(
         "--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lingbot_bench_load"
     )
@@ -354,7 +361,7 @@ def main(argv=None) -> int:
     from lingbot_world.loaders.formats import detect_expert_format
     from lingbot_world.loaders.synthetic import model_specs
 
-    src = detect_expert_format(ckpt)
+    src = detect_expert_format(ckpt, require_config=args.format != "fp32")
     summary = {
         "scale": args.scale, "format": args.format, "device": args.device,
         "params": sum(math.prod(s) for s in model_specs(cfg)[0].values()),

@@ -256,8 +256,9 @@ def main() -> int:
     if args.vram_cap_gib is not None:
         if device.type != "cuda":
             raise SystemExit("--vram-cap-gib needs a CUDA GPU")
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * GIB / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * GIB / total), index)
         cap = args.vram_cap_gib
     h, w = SIZES[args.scale]
     lat = (chunks * CHUNK_FRAMES, h // 8, w // 8)

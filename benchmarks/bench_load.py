@@ -119,7 +119,7 @@ def child_ours(src, device, staging) -> dict:
 
     with RssSampler() as sampler:
         t0 = time.perf_counter()
-        src = detect_expert_format(src.path)
+        src = detect_expert_format(src.path, require_config=False)  # its config.json, when there, is read
         t_detect = time.perf_counter() - t0
         # an original bf16 expert is quantized while streaming, as a 24 GB user would load it
         model = stream.load_expert(

@@ -1,0 +1,455 @@
+"""LingBot-World-Fast: chunk-causal few-step generation over one camera-controlled DiT.
+
+Upstream's `WanI2VFast.generate` with its `WanModelFast`, step for step, on our `WanModel` (the Fast
+checkpoint has a base-cam expert's keys and shapes; the window and sink are run settings, not weights):
+
+- The clip is generated in chunks of 3 latent frames. Each chunk takes 4 denoising steps at fixed
+  timesteps of the 1000-step UniPC table (indices 0, 179, 358, 679: t = 999, 978, 947, 825 at shift 10)
+  and no CFG: every step predicts x0 = x_t - sigma * flow (float64) and, except the last, re-noises it
+  to the next timestep with fresh noise. A "commit" forward at t = 0 on the clean chunk follows; its
+  output is discarded, it only rewrites the chunk's slots of the self-attention cache with clean keys.
+- Self-attention is causal through a per-layer K/V cache with no mask: a chunk's queries attend to
+  the cached past and to the whole chunk. Keys are cached after RoPE at their absolute frame position
+  (temporal frequencies start at the chunk's first frame) and are never re-rotated. Each forward of a
+  chunk overwrites the chunk's own slots. With a window (`local_attn_size` latent frames, sink
+  included), a new chunk that does not fit evicts the oldest frames after the first `sink_size`
+  frames, which are kept for the whole clip.
+- Cross-attention keys and values of the (zero-padded) text are computed on the first forward and
+  reused by every later step and chunk.
+- RNG order: all initial noise [16, lat_f, lat_h, lat_w] first, then 3 re-noise draws per chunk, from
+  one generator seeded with `seed`. As in `wan.i2v.make_noise`, the generator lives on the compute
+  device (upstream's is a CUDA generator on its GPU), so a CUDA run reproduces upstream's noise and a
+  CPU run gives CPU noise for the same seed.
+
+The forward reuses the expert's blocks (their Linear layers through `wan.dit.linear`, so 4-bit and
+LoRA layers work), `rope_apply`, the active `wan.attention` backend and the expert's block swap hooks.
+Compiled block runners (`WanModel.block_runner`) are not used here and sequence parallel is refused.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import i2v
+from .config import NUM_TRAIN_TIMESTEPS, PATCH_SIZE, VAE_STRIDE, DiTConfig
+from .dit import attention, linear, rope_apply
+from .pipeline import Hooks
+from .schedulers import sampling_sigmas
+
+CHUNK_FRAMES = 3  # latent frames per chunk (upstream hard-codes 3)
+ROPE_FRAMES = 1024  # rows of the RoPE tables: the longest clip in latent frames
+LATENT_CHANNELS = 16
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return value
+
+
+def fast_latent_frames(frame_num: int) -> int:
+    """Latent frames Fast generates for `frame_num` video frames: (F-1)//4+1, cut to a multiple of 3."""
+    _positive_int(frame_num, "frame_num")
+    lat_f = (frame_num - 1) // VAE_STRIDE[0] + 1
+    lat_f -= lat_f % CHUNK_FRAMES
+    if lat_f < CHUNK_FRAMES:
+        raise ValueError(
+            f"frame_num: Fast needs at least {(CHUNK_FRAMES - 1) * VAE_STRIDE[0] + 1} frames "
+            f"(one chunk of {CHUNK_FRAMES} latent frames), got {frame_num}"
+        )
+    return lat_f
+
+
+def fast_frame_num(frame_num: int) -> int:
+    """The video frame count Fast actually produces for `frame_num`: (lat_f-1)*4+1."""
+    return (fast_latent_frames(frame_num) - 1) * VAE_STRIDE[0] + 1
+
+
+@dataclass(frozen=True)
+class FastConfig:
+    shift: float = 10.0
+    timestep_index: tuple[int, ...] = (0, 179, 358, 679)
+    seed: int = 42
+    local_attn_size: int = -1  # latent frames kept in the self-attention cache (-1: all), sink included
+    sink_size: int = 0  # latent frames at the start never evicted (no effect with an unbounded cache)
+    kv_dtype: torch.dtype | None = None  # None: the model's compute dtype
+
+    def validate(self) -> None:
+        if isinstance(self.shift, bool) or not isinstance(self.shift, (int, float)):
+            raise ValueError(f"shift: expected a number > 0, got {self.shift!r}")
+        if not (math.isfinite(self.shift) and self.shift > 0):
+            raise ValueError(f"shift: expected a finite number > 0, got {self.shift!r}")
+        idx = self.timestep_index
+        if (
+            not isinstance(idx, (tuple, list))
+            or not idx
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in idx)
+            or not all(0 <= i < NUM_TRAIN_TIMESTEPS for i in idx)
+        ):
+            raise ValueError(
+                f"timestep_index: expected a non-empty tuple of integers in [0, {NUM_TRAIN_TIMESTEPS - 1}] "
+                f"(indices into the {NUM_TRAIN_TIMESTEPS}-step schedule), got {idx!r}"
+            )
+        issue = i2v.seed_issue(self.seed)
+        if issue:
+            raise ValueError(f"seed: {issue}")
+        if isinstance(self.sink_size, bool) or not isinstance(self.sink_size, int) or self.sink_size < 0:
+            raise ValueError(f"sink_size: expected an integer >= 0 (latent frames), got {self.sink_size!r}")
+        local = self.local_attn_size
+        if isinstance(local, bool) or not isinstance(local, int) or (local != -1 and local < 1):
+            raise ValueError(f"local_attn_size: expected -1 (unbounded) or a positive integer, got {local!r}")
+        if local != -1 and local < self.sink_size + CHUNK_FRAMES:
+            raise ValueError(
+                f"local_attn_size: must leave room for a {CHUNK_FRAMES}-frame chunk after the "
+                f"{self.sink_size}-frame sink (>= sink_size + {CHUNK_FRAMES} = "
+                f"{self.sink_size + CHUNK_FRAMES}), got {local}"
+            )
+        kv = self.kv_dtype
+        if kv is not None and (not isinstance(kv, torch.dtype) or not kv.is_floating_point):
+            raise ValueError(f"kv_dtype: expected None or a floating torch.dtype, got {kv!r}")
+
+
+def _frame_seqlen(lat_h: int, lat_w: int, patch=PATCH_SIZE) -> int:
+    return (lat_h // patch[1]) * (lat_w // patch[2])
+
+
+def _cache_frames(lat_f: int, fast: FastConfig) -> int:
+    """Latent frames the self-attention cache holds. A window at least as long as the clip never
+    evicts, so it is allocated at the clip's length (upstream allocates the window; same values)."""
+    return lat_f if fast.local_attn_size == -1 else min(fast.local_attn_size, lat_f)
+
+
+def kv_cache_bytes_for(config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16) -> int:
+    """Bytes the self- and cross-attention caches of a Fast generation hold (planner)."""
+    lat_f, lat_h, lat_w = lat_shape
+    itemsize = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    tokens = _frame_seqlen(lat_h, lat_w, config.patch_size) * _cache_frames(lat_f, fast)
+    per_token = 2 * config.num_layers * config.dim
+    return per_token * (
+        tokens * itemsize(fast.kv_dtype or compute_dtype) + config.text_len * itemsize(compute_dtype)
+    )
+
+
+class SelfKVCache:
+    """Per-layer self-attention keys and values [tokens, heads, head_dim] with upstream's indices.
+
+    `global_end`: token end of the latest chunk in the whole clip; `local_end`: where it ends in the
+    cache. `write(layer, k, v, start)` places a chunk whose clip tokens start at `start` (the same
+    placement for every layer: a new chunk that overflows rolls the cache first) and returns what its
+    queries attend to, cache[max(0, end - size):end], in `compute_dtype`. `advance(start, n)` records
+    the chunk's end once every layer was written.
+    """
+
+    def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, compute_dtype, device):
+        self.size, self.sink = tokens, sink_tokens
+        self.dtype, self.compute_dtype = dtype, compute_dtype
+        shape = (tokens, heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.global_end = 0
+        self.local_end = 0
+        self._limit = torch.finfo(dtype).max if dtype.itemsize == 1 else None  # fp8: no inf, saturate
+
+    def placement(self, start: int, n: int) -> tuple[int, int]:
+        """(evicted tokens, local end) for a chunk of n tokens at clip position `start`."""
+        end = start + n
+        if end > self.global_end and n + self.local_end > self.size:
+            evicted = n + self.local_end - self.size
+            return evicted, self.local_end + end - self.global_end - evicted
+        return 0, self.local_end + end - self.global_end
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        if self._limit is not None:
+            t = t.clamp(-self._limit, self._limit)
+        return t.to(self.dtype)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        n = k.shape[0]
+        evicted, local_end = self.placement(start, n)
+        if local_end - n < 0 or local_end > self.size:
+            raise RuntimeError(
+                f"KV cache placement out of range: {local_end - n}..{local_end} of {self.size}"
+            )
+        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
+            if evicted:
+                keep = self.local_end - evicted - self.sink
+                src = self.sink + evicted
+                cache[self.sink : self.sink + keep] = cache[src : src + keep].clone()
+            cache[local_end - n : local_end] = self._store(new)
+        lo = max(0, local_end - self.size)
+        k_att, v_att = self.k[layer][lo:local_end], self.v[layer][lo:local_end]
+        if self.dtype != self.compute_dtype:
+            k_att, v_att = k_att.to(self.compute_dtype), v_att.to(self.compute_dtype)
+        return k_att, v_att
+
+    def advance(self, start: int, n: int) -> None:
+        _, self.local_end = self.placement(start, n)
+        self.global_end = start + n
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class FastSession:
+    """One Fast generation: all noise drawn at construction (upstream's RNG order), y/context fixed."""
+
+    def __init__(self, model, context, y, lat_shape, config: FastConfig, device, hooks=None):
+        config.validate()
+        if getattr(model, "sequence_parallel", None) is not None:
+            raise ValueError(
+                "Fast generation does not support sequence parallel yet: run it on one GPU "
+                "(model.sequence_parallel must be None)"
+            )
+        if not (isinstance(lat_shape, (tuple, list)) and len(lat_shape) == 3):
+            raise ValueError(f"lat_shape: expected (lat_f, lat_h, lat_w), got {lat_shape!r}")
+        lat_f, lat_h, lat_w = (int(v) for v in lat_shape)
+        p = model.patch_size
+        if (
+            lat_f < CHUNK_FRAMES
+            or lat_f % CHUNK_FRAMES
+            or lat_h % p[1]
+            or lat_w % p[2]
+            or min(lat_h, lat_w) < 1
+        ):
+            raise ValueError(
+                f"lat_shape: lat_f must be a positive multiple of {CHUNK_FRAMES} (see fast_latent_frames) "
+                f"and lat_h, lat_w positive multiples of {p[1]}, {p[2]}; got {tuple(lat_shape)}"
+            )
+        if lat_f > ROPE_FRAMES:
+            raise ValueError(f"lat_shape: at most {ROPE_FRAMES} latent frames (RoPE table), got {lat_f}")
+        want_y = (4 + LATENT_CHANNELS, lat_f, lat_h, lat_w)
+        if not isinstance(y, torch.Tensor) or tuple(y.shape) != want_y:
+            got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"y: expected the i2v condition {list(want_y)} (mask + image latent), got {got}")
+        if not isinstance(context, torch.Tensor) or context.dim() != 2 or context.shape[0] > model.text_len:
+            got = list(context.shape) if isinstance(context, torch.Tensor) else type(context).__name__
+            raise ValueError(f"context: expected [tokens <= {model.text_len}, text_dim], got {got}")
+        self.model = model
+        self.config = config
+        self.hooks = hooks or Hooks()
+        self.device = torch.device(device)
+        self.lat_shape = (lat_f, lat_h, lat_w)
+        self.num_chunks = lat_f // CHUNK_FRAMES
+        self.done = 0
+        self.frame_seqlen = _frame_seqlen(lat_h, lat_w, p)
+        self._skip_commit = False  # tests only: leave the cache with the last step's noisy keys
+
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(int(config.seed))
+        noise = torch.randn(
+            LATENT_CHANNELS, lat_f, lat_h, lat_w, dtype=torch.float32, generator=self.generator,
+            device=self.device,
+        )  # fmt: skip
+        self._noise = list(noise.split(CHUNK_FRAMES, dim=1))
+        self._y = list(y.to(self.device).split(CHUNK_FRAMES, dim=1))
+        self._context = context.to(self.device)
+
+        timesteps, sigmas = sampling_sigmas(NUM_TRAIN_TIMESTEPS, config.shift)
+        self._timesteps, self._sigmas = timesteps, sigmas
+        self.timesteps = [timesteps[i] for i in config.timestep_index]
+
+        dtype = model.compute_dtype
+        blk = model.blocks[0].self_attn
+        self._cache = SelfKVCache(
+            len(model.blocks), self.frame_seqlen * _cache_frames(lat_f, config), blk.num_heads, blk.head_dim,
+            config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
+            config.kv_dtype or dtype, dtype, self.device,
+        )  # fmt: skip
+        self._cross: list | None = [None] * len(model.blocks)
+        self._chunks: list[torch.Tensor] = []
+        self._closed = False
+
+    # --- schedule ---------------------------------------------------------------------------------
+
+    def _sigma_x0(self, t: torch.Tensor) -> torch.Tensor:
+        """sigma of the timestep nearest t (the first on ties), float64: upstream's x0 conversion."""
+        return self._sigmas.double()[torch.argmin((self._timesteps.double() - t).abs())]
+
+    def _sigma_noise(self, t: torch.Tensor) -> torch.Tensor:
+        """sigma of `t` by the scheduler's index_for_timestep: the second match when t repeats, fp32."""
+        idx = (self._timesteps == t).nonzero()
+        return self._sigmas[idx[1 if len(idx) > 1 else 0].item()]
+
+    # --- the causal forward ---------------------------------------------------------------------
+
+    def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam) -> torch.Tensor:
+        m = self.model
+        dtype = m.compute_dtype
+        x = torch.cat([latent, self._y[chunk]], dim=0)
+        w = m.patch_embedding.weight
+        x = F.conv3d(
+            x.unsqueeze(0).to(dtype), w.to(dtype), m.patch_embedding.bias.to(dtype), stride=m.patch_size
+        )[0]
+        grid = tuple(x.shape[1:])
+        x = x.flatten(1).transpose(0, 1)  # [L, dim]
+        e, e0 = m.time_embed(t.reshape(1).to(self.device))
+        cam_tokens = None if cam is None else m.embed_camera(cam, dtype)
+        start_frame = chunk * CHUNK_FRAMES
+        freqs = self._rope(grid, start_frame)
+        start = start_frame * self.frame_seqlen
+        swap = m.block_swap
+        try:
+            for i, block in enumerate(m.blocks):
+                if swap is not None:
+                    swap.before(i)
+                x = self._block(i, block, x, e0, grid, freqs, cam_tokens, start, dtype)
+                if swap is not None:
+                    swap.after(i)
+        finally:
+            if swap is not None:
+                swap.finish()
+        self._cache.advance(start, x.shape[0])
+        x = m.head(x, e)
+        return m.unpatchify(x.to(dtype), grid)
+
+    def _rope(self, grid, start_frame: int) -> torch.Tensor:
+        """The model's RoPE table with the temporal band starting at frame `start_frame`."""
+        freqs = self.model._rope(self.device)
+        c = freqs.shape[1]
+        c0 = c - 2 * (c // 3)
+        f = grid[0]
+        rows = max(grid)
+        band0 = freqs[start_frame : start_frame + f, :c0]
+        if rows > f:
+            band0 = torch.cat([band0, band0.new_zeros(rows - f, c0)])  # never read: only [:f] is used
+        return torch.cat([band0, freqs[:rows, c0:]], dim=1)
+
+    def _block(self, i, block, x, e0, grid, freqs, cam, start, dtype):
+        e = (block.modulation.float() + e0)[0].unbind(0)
+        y = self._self_attn(
+            i, block.self_attn, block.norm1(x).float() * (1 + e[1]) + e[0], grid, freqs, start
+        )
+        x = x + y * e[2]
+        if cam is not None:
+            h = linear(block.cam_injector_layer1, cam, dtype)
+            h = linear(block.cam_injector_layer2, F.silu(h), dtype) + cam
+            x = (1.0 + linear(block.cam_scale_layer, h, dtype)) * x + linear(block.cam_shift_layer, h, dtype)
+        x = x + self._cross_attn(i, block.cross_attn, block.norm3(x), dtype)
+        h = block.norm2(x).float() * (1 + e[4]) + e[3]
+        return x + block.feed_forward(h, dtype) * e[5]
+
+    def _self_attn(self, i, sa, x, grid, freqs, start):
+        dtype = self.model.compute_dtype
+        n, d = sa.num_heads, sa.head_dim
+        q = sa.norm_q(linear(sa.q, x, dtype)).view(-1, n, d)
+        k = sa.norm_k(linear(sa.k, x, dtype)).view(-1, n, d)
+        v = linear(sa.v, x, dtype).view(-1, n, d)
+        q = rope_apply(q, grid, freqs, dtype)
+        k = rope_apply(k, grid, freqs, dtype)
+        k, v = self._cache.write(i, k, v, start)
+        out = attention(q, k, v, dtype)
+        del q, k, v
+        return linear(sa.o, out.flatten(1), dtype)
+
+    def _text(self) -> torch.Tensor:
+        m, dtype = self.model, self.model.compute_dtype
+        ctx = self._context
+        ctx = torch.cat([ctx, ctx.new_zeros(m.text_len - ctx.shape[0], ctx.shape[1])])
+        ctx = linear(m.text_embedding[0], ctx, dtype)
+        return linear(m.text_embedding[2], m.text_embedding[1](ctx), dtype)
+
+    def _cross_attn(self, i, ca, x, dtype):
+        n, d = ca.num_heads, ca.head_dim
+        q = ca.norm_q(linear(ca.q, x, dtype)).view(-1, n, d)
+        if self._cross[i] is None:  # first forward of the generation: the text's keys, once per layer
+            if self._text_emb is None:
+                self._text_emb = self._text()
+            k = ca.norm_k(linear(ca.k, self._text_emb, dtype)).view(-1, n, d)
+            v = linear(ca.v, self._text_emb, dtype).view(-1, n, d)
+            self._cross[i] = (k, v)
+            if i == len(self._cross) - 1:
+                self._text_emb = None
+        k, v = self._cross[i]
+        out = attention(q, k, v, dtype).to(q.dtype)
+        return linear(ca.o, out.flatten(1), dtype)
+
+    _text_emb = None
+
+    # --- the chunk loop -------------------------------------------------------------------------
+
+    def _check_cam(self, cam):
+        if cam is None:
+            return None
+        _, lat_h, lat_w = self.lat_shape
+        if not isinstance(cam, torch.Tensor) or cam.dim() != 5 or tuple(cam.shape[2:]) != (
+            CHUNK_FRAMES, lat_h, lat_w,
+        ):  # fmt: skip
+            got = list(cam.shape) if isinstance(cam, torch.Tensor) else type(cam).__name__
+            raise ValueError(
+                f"cam: expected this chunk's camera slice [1, C, {CHUNK_FRAMES}, {lat_h}, {lat_w}], got {got}"
+            )
+        return cam.to(self.device)
+
+    @torch.no_grad()
+    def next_chunk(self, cam=None) -> torch.Tensor:
+        """Denoise the next chunk (4 steps + the commit pass); returns its clean latent [16, 3, h, w] fp32."""
+        if self._closed:
+            raise RuntimeError("this FastSession is closed (finished, failed or interrupted)")
+        if self.done >= self.num_chunks:
+            raise RuntimeError(f"all {self.num_chunks} chunks are done")
+        cam = self._check_cam(cam)
+        k = self.done
+        try:
+            latent = self._noise[k]
+            steps = self.timesteps
+            for j, t in enumerate(steps):
+                self.hooks.check()
+                flow = self._forward(latent, t, k, cam)
+                x0 = (latent.double() - self._sigma_x0(t) * flow.double()).to(flow.dtype)
+                if j == len(steps) - 1:
+                    break
+                sigma = self._sigma_noise(steps[j + 1]).to(self.device)
+                eps = torch.randn(x0.shape, generator=self.generator, device=self.device, dtype=x0.dtype)
+                latent = (1 - sigma) * x0 + sigma * eps
+            self.hooks.check()
+            if not self._skip_commit:
+                self._forward(x0, steps[-1] * 0.0, k, cam)  # output discarded: refreshes the cache
+            self._noise[k] = None
+        except BaseException:
+            self.close()
+            raise
+        self._chunks.append(x0)
+        self.done += 1
+        if self.hooks.progress is not None:
+            self.hooks.progress(self.done, self.num_chunks, x0)
+        if self.done == self.num_chunks:
+            self.close()
+        return x0
+
+    def latent(self) -> torch.Tensor:
+        """The finished chunks concatenated [16, 3*done, lat_h, lat_w]."""
+        if not self._chunks:
+            _, lat_h, lat_w = self.lat_shape
+            return torch.zeros(LATENT_CHANNELS, 0, lat_h, lat_w, device=self.device)
+        return torch.cat(self._chunks, dim=1)
+
+    def close(self) -> None:
+        """Free the caches and the remaining noise (idempotent)."""
+        self._closed = True
+        self._cache.k, self._cache.v = [], []
+        self._cross = [None] * len(self.model.blocks)
+        self._text_emb = None
+        self._noise = []
+
+    def kv_cache_bytes(self) -> int:
+        cross = sum(t.numel() * t.element_size() for kv in self._cross if kv is not None for t in kv)
+        return self._cache.nbytes() + cross
+
+
+def generate_fast(model, context, y, cam, lat_shape, config: FastConfig, device, hooks=None) -> torch.Tensor:
+    """The whole clip: cam is the full packed tensor [1, C, lat_f, lat_h, lat_w] or None."""
+    session = FastSession(model, context, y, lat_shape, config, device, hooks)
+    try:
+        if cam is not None and (
+            not isinstance(cam, torch.Tensor) or cam.dim() != 5 or tuple(cam.shape[2:]) != session.lat_shape
+        ):
+            got = list(cam.shape) if isinstance(cam, torch.Tensor) else type(cam).__name__
+            raise ValueError(f"cam: expected [1, C, {', '.join(map(str, session.lat_shape))}], got {got}")
+        for k in range(session.num_chunks):
+            part = None if cam is None else cam[:, :, k * CHUNK_FRAMES : (k + 1) * CHUNK_FRAMES]
+            session.next_chunk(part)
+        return session.latent()
+    finally:
+        session.close()

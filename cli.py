@@ -2,6 +2,7 @@
 
     python lingbot.py generate --ckpt_dir CKPT --image in.jpg --prompt "..." --action_path examples/00
     python lingbot.py demo          # tiny random checkpoints, CPU, no downloads
+    python lingbot.py quantize CKPT/lingbot_world_fast CKPT/lingbot_world_fast_nf4   # fp32 -> NF4 folder
     python lingbot.py camera --preset "orbit left 30 + dolly in 1 40f ease" --save DIR --preview path.png
 
 Option names follow upstream's generate.py (and the NF4 repack's generate_prequant.py); both
@@ -211,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--ckpt_dir", type=Path, help="also validate every checkpoint file from its headers")
     doctor.add_argument("--device", default="cuda", help="the CUDA device to check")
+    quantize = sub.add_parser(
+        "quantize",
+        help="a bf16/fp32 expert (e.g. lingbot_world_fast/) -> an NF4 folder that loads in seconds",
+    )
+    quantize.add_argument(
+        "src", type=Path, help="expert folder or file: lingbot_world_fast/ (or the base-cam folder holding it), "
+        "high_noise_model/, a single .safetensors; fp32 or bf16, sharded or not",
+    )  # fmt: skip
+    quantize.add_argument("dst", type=Path, help="the NF4 folder to write (e.g. .../lingbot_world_fast_nf4)")
+    quantize.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    quantize.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                          help="where to quantize (cuda is much faster)")  # fmt: skip
     demo = sub.add_parser("demo", help="tiny random checkpoints on the CPU, shipped example, short MP4")
     demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
     demo.add_argument("--output", type=Path, default=None)
@@ -479,6 +492,22 @@ def run_demo(args) -> int:
     return run_generate(build_parser().parse_args(argv))
 
 
+def run_quantize(args) -> int:
+    """`quantize`: stream an expert through NF4 quantization into a new folder (renamed into place)."""
+    from .loaders.quantize import quantize_expert
+
+    device = resolve_device(args.device)
+    res = quantize_expert(args.src, args.dst, device, args.overwrite)
+    mib = 1 << 20
+    vram = f", peak VRAM {res.peak_vram / mib:.0f} MiB" if res.peak_vram is not None else ""
+    print(
+        f"wrote {res.dst} ({res.tensors} tensors, {res.nbytes / mib:.1f} MiB from {res.source.nbytes / mib:.1f} "
+        f"MiB) in {res.seconds:.1f} s on {device}; peak RSS {res.peak_rss / mib:.0f} MiB "
+        f"(+{res.rss_growth / mib:.0f} MiB){vram}"
+    )
+    return 0
+
+
 def run_camera(args) -> int:
     """`camera`: a preset (saved and/or drawn) or a pose folder / act2cam keys (drawn)."""
     if bool(args.camera_preset) == bool(args.action_path):
@@ -540,6 +569,8 @@ def main(argv=None) -> int:
             return run_demo(args)
         if args.command == "camera":
             return run_camera(args)
+        if args.command == "quantize":
+            return run_quantize(args)
         if args.command == "plan":
             return run_plan(args)
         if args.command == "doctor":

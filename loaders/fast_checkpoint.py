@@ -62,11 +62,12 @@ def is_model_folder(folder: Path) -> bool:
     return folder_missing(folder, need_config=False) is not None
 
 
-def fast_model_dir(path) -> Path:
-    """The Fast DiT folder for a base-cam folder holding one, or `path` itself when it holds weights."""
+def fast_model_dir(path, names=FAST_DIRS) -> Path:
+    """The Fast DiT folder for a base-cam folder holding one (the first complete of `names`, else the
+    first present), or `path` itself when it holds weights or none of them is there."""
     root = Path(path)
     if root.is_dir() and not is_model_folder(root):
-        present = [root / n for n in FAST_DIRS if (root / n).is_dir()]
+        present = [root / n for n in names if (root / n).is_dir()]
         complete = [d for d in present if folder_missing(d, need_config=False) == []]
         if complete or present:
             return (complete or present)[0]

@@ -4,6 +4,7 @@ Fast model's residency, steering keys and the chunk loop that decodes and hands 
 The CLI's `fast` command and the ComfyUI Fast nodes both run `wan.fast.FastSession` through here.
 """
 
+import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from ..wan.pipeline import frames_to_uint8
 from .camera_files import CameraInput
 from .experts import ExpertSwitcher
 from .fast_checkpoint import FastFiles
+from .formats import ExpertSource
 
 KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
 REAL_TIME_FPS = 16  # the video's frame rate: a chunk produced faster than this keeps up with playback
@@ -34,7 +36,11 @@ def fast_config(shift: float, seed: int, local_attn_size: int, sink_size: int, k
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     config = FastConfig(
-        shift=shift, seed=seed, local_attn_size=local_attn_size, sink_size=sink_size, kv_dtype=KV_DTYPES[kv_dtype]
+        shift=shift,
+        seed=seed,
+        local_attn_size=local_attn_size,
+        sink_size=sink_size,
+        kv_dtype=KV_DTYPES[kv_dtype],
     )
     config.validate()
     return config
@@ -115,6 +121,18 @@ class FastModel:
         self._switcher.close()
 
 
+def device_bytes(source: ExpertSource, quantize: bool | None) -> int:
+    """Device bytes of the loaded model (to ask the host for room): as stored for an NF4 folder; else bf16,
+    with the 2-D (Linear) weights at ~4.1 bits when quantized while loading."""
+    if source.quantized:
+        return source.nbytes
+    total = 0
+    for ref in source.tensors.values():
+        n = math.prod(ref.shape)
+        total += n * 33 // 64 if quantize and len(ref.shape) == 2 else 2 * n
+    return total
+
+
 # ------------------------------------------------------------------------------------------- keys
 
 
@@ -181,11 +199,14 @@ class ChunkTiming:
         return self.frames / max(self.denoise_s + self.decode_s, 1e-9)
 
     def line(self) -> str:
+        head = f"chunk {self.index + 1}/{self.chunks}: denoise {self.denoise_s * 1e3:.0f} ms"
+        cache = f"KV cache {self.kv_cache_bytes / 2**30:.2f} GiB"
+        if not self.frames:  # not decoded here
+            return f"{head}, {cache}"
         pace = "faster than" if self.fps >= REAL_TIME_FPS else "slower than"
         return (
-            f"chunk {self.index + 1}/{self.chunks}: denoise {self.denoise_s * 1e3:.0f} ms, decode "
-            f"{self.decode_s * 1e3:.0f} ms, {self.frames} frames -> {self.fps:.1f} fps ({pace} real time, "
-            f"{REAL_TIME_FPS} fps), KV cache {self.kv_cache_bytes / 2**30:.2f} GiB"
+            f"{head}, decode {self.decode_s * 1e3:.0f} ms, {self.frames} frames -> {self.fps:.1f} fps "
+            f"({pace} real time, {REAL_TIME_FPS} fps), {cache}"
         )
 
 
@@ -210,7 +231,11 @@ def run_chunks(session: FastSession, cameras: Iterable, decoder, on_chunk: Calla
             _sync(device)
         t2 = time.perf_counter()
         frames = 0 if video is None else video.shape[1]
-        on_chunk(latent, video, ChunkTiming(k, session.num_chunks, frames, t1 - t0, t2 - t1, session.kv_cache_bytes()))
+        on_chunk(
+            latent,
+            video,
+            ChunkTiming(k, session.num_chunks, frames, t1 - t0, t2 - t1, session.kv_cache_bytes()),
+        )
     return session.done
 
 
@@ -249,7 +274,9 @@ def check_frames_dir(path, overwrite: bool = False) -> Path:
     old = sorted(path.glob("frame_*.png"))
     if old:
         if not overwrite:
-            raise FileExistsError(f"--frames_dir: {path} already holds {len(old)} frame_*.png; pass --overwrite")
+            raise FileExistsError(
+                f"--frames_dir: {path} already holds {len(old)} frame_*.png; pass --overwrite"
+            )
         for p in old:
             p.unlink()
     return path

@@ -124,3 +124,24 @@ def test_bench_swap(tmp_path):
     # the swapper pins every swapped block and only those: host bytes grow with the level
     assert levels["0"]["host_bytes"] == 0 < levels["1"]["host_bytes"] < levels["2"]["host_bytes"]
     assert s["all_swapped"]["le_1.15x"] == (s["all_swapped"]["over_no_swap"] <= 1.15)
+
+
+def test_bench_fast(tmp_path):
+    s = run_tiny("bench_fast.py", tmp_path)
+    assert s["bench"] == "fast" and s["chunks"] == 4 and s["latent"] == [12, 4, 6]
+    assert s["video_frames"] == 45 and s["tokens_per_chunk"] == 18
+    runs = s["settings"]
+    assert runs["local21_sink3"]["skipped"].startswith("window 21")  # not shorter than the clip
+    for name in ("full", "local6_sink3", "local9_sink3", "full_kv_fp8"):
+        r = runs[name]
+        assert len(r["chunk_s"]) == len(r["steps_s"]) == len(r["commit_s"]) == 4
+        for chunk, steps, commit in zip(r["chunk_s"], r["steps_s"], r["commit_s"], strict=True):
+            assert 0 < commit < chunk and steps == pytest.approx(chunk - commit, abs=2e-4)
+        assert r["mean_chunk_s"] == pytest.approx(sum(r["chunk_s"][1:]) / 3, abs=2e-4)
+        assert r["video_fps"] == pytest.approx(12 / r["mean_chunk_s"], rel=1e-2)
+        assert r["realtime_16fps"] == (r["video_fps"] >= 16)
+    kv = {
+        name: runs[name]["kv_cache_bytes"] for name in ("full", "local6_sink3", "local9_sink3", "full_kv_fp8")
+    }
+    assert 0 < kv["local6_sink3"] < kv["local9_sink3"] < kv["full"] and kv["full_kv_fp8"] < kv["full"]
+    assert s["upstream"] == {"skipped": "no --upstream"}

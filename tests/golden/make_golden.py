@@ -28,6 +28,15 @@ Writes (small; tests/test_parity.py compares the pack against them):
   with a camera tensor and without one (plain i2v), upstream `wan/modules/model.py` in fp32.
 - vae.safetensors: a tiny Wan2.1 VAE (weights stored) encode and decode through upstream
   `Wan2_1_VAE` (its latent mean/std scaling and output clamp), fp32.
+- fast.safetensors: a tiny LingBot-World-Fast causal DiT (upstream `WanModelFast`, cam control, the
+  dit part's sizes, weights stored) run through upstream's own chunk loop `WanI2VFast.generate` in
+  fp32 with its text encoder and VAE replaced by stand-ins returning stored tensors (the camera comes
+  from examples/00 through upstream's code, cast to bf16 by upstream as in a real run): once with the
+  unbounded cache on 9 latent frames (3 chunks), once with local_attn_size 6 / sink_size 3 on 12
+  latent frames (the cache rolls). Kept: every forward's flow prediction (4 steps + the commit pass per
+  chunk), the final latent, the i2v condition y and the camera. Upstream draws its noise from a
+  generator on its device (CUDA there); here the device is the CPU, so the noise is the CPU
+  generator's for the seed, which is what the pack draws on a CPU device.
 """
 
 import argparse
@@ -76,6 +85,15 @@ DIT_CONFIG = dict(
 )  # fmt: skip
 DIT_LATENT = (16, 2, 4, 6)  # [C, F, H, W]
 DIT_TIMESTEPS = {"cam": 937, "plain": 412}
+
+# Tiny Fast DiT: the dit part's sizes; runs of upstream WanI2VFast.generate (name -> settings)
+FAST_RUNS = {
+    "full": dict(local_attn_size=-1, sink_size=0, frame_num=33),  # 9 latent frames, 3 chunks
+    "window": dict(local_attn_size=6, sink_size=3, frame_num=45),  # 12 latent frames: evicts
+}
+FAST_IMAGE_HW = (32, 48)  # with max_area 32*48: latent 4 x 6 (6 tokens per latent frame)
+FAST_SEED = 42
+FAST_SHIFT = 10.0  # generate_fast.py's sample_shift
 
 # Tiny VAE: upstream's Wan2.1 config with dim 2 instead of 96
 VAE_DIM = 2
@@ -154,6 +172,11 @@ def flash_attention(q, k, v, q_lens=None, k_lens=None, softmax_scale=None, causa
     return torch.cat(out).type(q.dtype)
 
 
+def attention(q, k, v, q_lens=None, k_lens=None, causal=False, **_):
+    """fp32 stand-in for upstream's attention() (the causal self-attention of WanModelFast)."""
+    return flash_attention(q, k, v, q_lens=q_lens, k_lens=k_lens, causal=causal)
+
+
 def _to_tensor(img):
     arr = np.asarray(img)
     return torch.from_numpy(arr).permute(2, 0, 1).float().div(255)
@@ -180,7 +203,9 @@ def load_upstream(folder: Path) -> types.SimpleNamespace:
             "torchvision.transforms.functional": _module(
                 "torchvision.transforms.functional", to_tensor=_to_tensor
             ),
-            "wan.modules.attention": _module("wan.modules.attention", flash_attention=flash_attention),
+            "wan.modules.attention": _module(
+                "wan.modules.attention", flash_attention=flash_attention, attention=attention
+            ),
             # its class body calls torch.cuda.current_device(); the text encoder is never used here
             "wan.modules.t5": _module("wan.modules.t5", T5EncoderModel=None),
         }
@@ -386,6 +411,103 @@ def make_vae(up) -> tuple[dict, dict]:
     return tensors, {"dim": VAE_DIM}
 
 
+class _StandInVae:
+    """encode -> a stored image latent cut to the clip's latent frames; decode -> records the latent."""
+
+    def __init__(self, latent):
+        self.latent, self.decoded = latent, None
+
+    def encode(self, videos):
+        lat_f = (videos[0].shape[1] - 1) // 4 + 1
+        return [self.latent[:, :lat_f].clone()]
+
+    def decode(self, latents):
+        self.decoded = latents[0].clone()
+        return [self.decoded]
+
+
+def _record_forwards(model, calls: list):
+    """Wrap the model's forward: record every call's inputs and flow prediction. The camera arrives
+    in upstream's param_dtype (bf16, as in a real run) and is cast to the fp32 weights' dtype."""
+    real = model.forward
+
+    def forward(x, t, context, seq_len, y=None, dit_cond_dict=None, **kw):
+        cams = tuple(c.float() for c in dit_cond_dict["c2ws_plucker_emb"])
+        out = real(x, t, context, seq_len, y=y, dit_cond_dict={"c2ws_plucker_emb": cams}, **kw)
+        calls.append(
+            {"t": t.clone(), "y": y[0].clone(), "cam": cams[0].clone(), "start": kw["current_start"],
+             "out": out[0].clone()}
+        )  # fmt: skip
+        return out
+
+    model.forward = forward
+
+
+@torch.no_grad()
+def make_fast(up) -> tuple[dict, dict]:
+    import importlib
+
+    fast = importlib.import_module("wan.image2video_fast")
+    model_fast = importlib.import_module("wan.modules.model_fast")
+    config = {k: v for k, v in DIT_CONFIG.items() if k != "window_size"}
+    weights = None
+    g = torch.Generator().manual_seed(22)
+    lat_h, lat_w = FAST_IMAGE_HW[0] // 8, FAST_IMAGE_HW[1] // 8
+    max_f = max((r["frame_num"] - 1) // 4 + 1 for r in FAST_RUNS.values())
+    image_latent = torch.randn(16, max_f, lat_h, lat_w, generator=g)
+    context = torch.randn(5, config["text_dim"], generator=g)
+    tensors, runs, conds = {"context": context}, [], []
+    for name, run in FAST_RUNS.items():
+        model = model_fast.WanModelFast(
+            control_type="cam", local_attn_size=run["local_attn_size"], sink_size=run["sink_size"], **config
+        ).eval()
+        if weights is None:
+            weights = _seeded_weights(model, 21)
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
+        calls = []
+        _record_forwards(model, calls)
+        pipe = object.__new__(fast.WanI2VFast)
+        pipe.__dict__.update(
+            device=torch.device("cpu"), rank=0, t5_cpu=True, num_train_timesteps=1000,
+            param_dtype=torch.bfloat16, pipe_dtype=torch.float32, control_type="cam",
+            local_attn_size=run["local_attn_size"], sink_size=run["sink_size"], vae_stride=(4, 8, 8),
+            patch_size=(1, 2, 2), sp_size=1, model=model, vae=_StandInVae(image_latent), _t5_cache={},
+            _cross_attn_initialized=False, text_encoder=lambda texts, device: [context],
+            scheduler=up.unipc.FlowUniPCMultistepScheduler(
+                num_train_timesteps=1000, shift=1, use_dynamic_shifting=False
+            ),
+        )  # fmt: skip
+        img = np.zeros((*FAST_IMAGE_HW, 3), dtype=np.uint8)
+        pipe.generate(
+            "-", img, action_path=str(EXAMPLE), chunk_size=3, max_area=math.prod(FAST_IMAGE_HW),
+            frame_num=run["frame_num"], shift=FAST_SHIFT, seed=FAST_SEED, offload_model=False,
+            max_sequence_length=config["text_len"],
+        )  # fmt: skip
+        latent = pipe.vae.decoded
+        lat_f = latent.shape[1]
+        firsts = calls[:: len(calls) // (lat_f // 3)]  # the first forward of each chunk
+        y = torch.cat([c["y"] for c in firsts], dim=1)
+        cam = torch.cat([c["cam"] for c in firsts], dim=2)
+        conds.append((y, cam))
+        tensors[f"{name}/latent"] = latent
+        tensors[f"{name}/flows"] = torch.stack([c["out"] for c in calls])
+        tensors[f"{name}/t"] = torch.stack([c["t"].reshape(()).double() for c in calls])
+        tensors[f"{name}/start"] = torch.tensor([c["start"] for c in calls])
+        runs.append({"key": name, "lat_f": lat_f, "lat_h": lat_h, "lat_w": lat_w, **run})
+        print(f"fast {name}: latent {list(latent.shape)}, {len(calls)} forwards", flush=True)
+    # one y kept: the longest run's (the others' are its prefixes); each run's camera (the relative
+    # poses differ with the clip length), in bf16 as upstream fed it
+    y_all = max((y for y, _ in conds), key=lambda y: y.shape[1])
+    for (y, cam), run in zip(conds, runs, strict=True):
+        assert torch.equal(y_all[:, : y.shape[1]], y)
+        tensors[f"{run['key']}/cam"] = cam.to(torch.bfloat16)
+        assert torch.equal(tensors[f"{run['key']}/cam"].float(), cam)
+    tensors["y"] = y_all
+    tensors.update({f"weights/{k}": v for k, v in weights.items()})
+    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+    return tensors, {"config": cfg, "runs": runs, "seed": FAST_SEED, "shift": FAST_SHIFT}
+
+
 def _save(name: str, tensors: dict, meta: dict):
     path = HERE / name
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"golden": json.dumps(meta)})
@@ -396,13 +518,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", type=Path, required=True, help="folder holding upstream's wan/ package")
     parser.add_argument(
-        "--only", nargs="+", choices=("unipc", "camera", "dit", "vae"), help="regenerate only these files"
+        "--only",
+        nargs="+",
+        choices=("unipc", "camera", "dit", "vae", "fast"),
+        help="regenerate only these files",
     )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*autocast.*")  # upstream's CUDA autocast blocks on CPU
     up = load_upstream(args.upstream.resolve())
     torch.set_grad_enabled(False)
-    makers = {"unipc": make_unipc, "camera": make_camera, "dit": make_dit, "vae": make_vae}
+    makers = {"unipc": make_unipc, "camera": make_camera, "dit": make_dit, "vae": make_vae, "fast": make_fast}
     for name in args.only or makers:
         tensors, meta = makers[name](up)
         meta["generator"] = "tests/golden/make_golden.py"

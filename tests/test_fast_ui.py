@@ -69,10 +69,10 @@ class Offline:
         self.vae = load_vae(self.files.vae)
         self.model = load_expert(self.files.source, "cpu")
 
-    def latent(self, cam, frames, config=FastConfig()):
+    def latent(self, cam, frames):
         y = fast_run.condition(self.image, self.vae.encode, frames, SIZE, "cpu")
         lat_f = (frames - 1) // 4 + 1
-        return generate_fast(self.model, self.context, y, cam, (lat_f, *SIZE[:2]), config, "cpu")
+        return generate_fast(self.model, self.context, y, cam, (lat_f, *SIZE[:2]), FastConfig(), "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -242,3 +242,23 @@ def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeyp
     with pytest.raises(ValueError, match="connect LingBot Text Encode"):
         nodes.LingBotFastSampler().sample(model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, -1,
                                           0, "bf16")  # fmt: skip
+
+
+def test_ctrl_c_between_chunks_writes_no_mp4(fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second chunk: exit 130, the model released, no MP4; the PNGs of chunk 1 stay."""
+    from lingbot_world.wan.fast import FastSession
+
+    real = FastSession.next_chunk
+
+    def next_chunk(self, cam=None):
+        if self.done == 1:
+            raise KeyboardInterrupt
+        return real(self, cam)
+
+    monkeypatch.setattr(FastSession, "next_chunk", next_chunk)
+    out, frames_dir = tmp_path / "never.mp4", tmp_path / "live"
+    args = fast_args(fast_ckpt, shipped_example, out, "--frame_num", "21", "--frames_dir", str(frames_dir))
+    assert cli.main(args) == 130
+    assert "9 frames were written to" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".*partial*"))
+    assert len(list(frames_dir.glob("frame_*.png"))) == 9

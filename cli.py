@@ -2,6 +2,7 @@
 
     python lingbot.py generate --ckpt_dir CKPT --image in.jpg --prompt "..." --action_path examples/00
     python lingbot.py demo          # tiny random checkpoints, CPU, no downloads
+    python lingbot.py fast --ckpt_dir lingbot-world-base-cam --image in.jpg --prompt "..." --keys -
     python lingbot.py quantize CKPT/lingbot_world_fast CKPT/lingbot_world_fast_nf4   # fp32 -> NF4 folder
     python lingbot.py camera --preset "orbit left 30 + dolly in 1 40f ease" --save DIR --preview path.png
 
@@ -30,19 +31,30 @@ from .loaders import (
     checkpoints,
     demo_assets,
     distributed,
+    fast_run,
     monitor,
     text_encode,
     video,
 )
 from .loaders import planner as memplan
 from .loaders.experts import ExpertSwitcher
+from .loaders.fast_checkpoint import resolve_fast_dir
 from .loaders.latent_file import save_comfy_latent
 from .loaders.lora import LoraSpec, parse_lora_spec
-from .loaders.request import RequestError, check_lora_merge, plan_request
+from .loaders.request import RequestError, check_lora_merge, check_text_dim, plan_request
 from .loaders.text_encoder import read_encoder_config
 from .loaders.vae import check_vae, load_vae
 from .wan import i2v, pipeline
 from .wan.config import SampleConfig
+from .wan.fast import (
+    CHUNK_FRAMES,
+    FastConfig,
+    FastSession,
+    fast_frame_num,
+    fast_latent_frames,
+    kv_cache_bytes_for,
+)
+from .wan.fast_camera import KeySteering
 from .wan.speed import SpeedOptions, SpeedStats
 
 ROOT = Path(__file__).resolve().parent
@@ -224,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     quantize.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                           help="where to quantize (cuda is much faster)")  # fmt: skip
+    add_fast_args(sub.add_parser(
+        "fast", help="LingBot-World-Fast: chunk by chunk, 4 steps a chunk, steerable with keys while it runs",
+        description=FAST_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    ))  # fmt: skip
     demo = sub.add_parser("demo", help="tiny random checkpoints on the CPU, shipped example, short MP4")
     demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
     demo.add_argument("--output", type=Path, default=None)
@@ -512,6 +528,195 @@ def run_quantize(args) -> int:
     return 0
 
 
+FAST_HELP = """LingBot-World-Fast: one causal DiT generates the clip chunk by chunk (3 latent frames = 9 video
+frames for the first chunk, 12 for each later one), 4 steps a chunk, no CFG, attending to a cache of
+what came before. Frames are decoded and written as each chunk finishes.
+
+--ckpt_dir: the base-cam folder holding lingbot_world_fast/ (or lingbot_world_fast_nf4/ written by
+`lingbot.py quantize`), or the Fast model folder itself.
+
+Camera: a whole path up front (--action_path poses, --action_string, --camera_preset), or steered with
+--keys FILE / --keys - (stdin): one line per chunk naming the keys held through that chunk's frames,
+any of w a s d (move) i j k l (look up/left/down/right), e.g. `w`, `wj`, `none`. Chunk k's camera is
+built when chunk k starts, from the keys of chunks 0..k (act2cam's motion at a fixed step; see README).
+"""
+
+
+def add_fast_args(p: argparse.ArgumentParser):
+    p.add_argument("--ckpt_dir", type=Path, required=True,
+                   help="base-cam folder with lingbot_world_fast/, the Fast folder, or an NF4 folder from `quantize`")  # fmt: skip
+    p.add_argument("--image", type=Path, required=True)
+    p.add_argument("--prompt", required=True, help="no negative prompt: Fast runs without CFG")
+    p.add_argument(
+        "--keys", metavar="FILE|-", help="steer with act2cam keys, one line per chunk ('-': stdin)"
+    )
+    p.add_argument("--action_path", type=Path,
+                   help="folder with poses.npy + intrinsics.npy (with --keys: only its intrinsics.npy)")  # fmt: skip
+    p.add_argument("--action_string", help="act2cam keys for the whole clip, e.g. 'w-10,iw-15,none-10'")
+    p.add_argument(
+        "--allow_act2cam", action="store_true", help="drive the Cam model from wasd/ijkl_action.npy"
+    )
+    add_preset_args(p, "--camera_preset")
+    p.add_argument("--size", type=parse_size, default=DEFAULTS.max_area, help="max pixel area, e.g. 480*832")
+    p.add_argument("--frame_num", type=int, default=None,
+                   help=f"video frames (default {DEFAULTS.frame_num}); rounded down to whole chunks of 3 latent "
+                   "frames (81 -> 81, 161 -> 153); with --keys - the most the clip may run")  # fmt: skip
+    p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=FastConfig.seed)
+    p.add_argument("--sample_shift", type=float, default=FastConfig.shift)
+    p.add_argument("--local_attn_size", type=int, default=-1,
+                   help="latent frames the attention cache keeps, sink included (-1: all, upstream's default)")  # fmt: skip
+    p.add_argument(
+        "--sink_size", type=int, default=0, help="latent frames at the start the window never evicts"
+    )
+    p.add_argument("--kv_dtype", choices=list(fast_run.KV_DTYPES), default="bf16",
+                   help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy")  # fmt: skip
+    p.add_argument("--swap_blocks", default="0",
+                   help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = 0)")  # fmt: skip
+    p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
+    p.add_argument(
+        "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
+    )
+    p.add_argument("--frames_dir", type=Path, help="also write each chunk's frames as PNGs here as they come")
+    p.add_argument("--overwrite", action="store_true", help="replace --output (and --frames_dir PNGs)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
+    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
+    p.add_argument("--vae_tile", default="auto", help="VAE tiles: 'auto', 'none' or H,W in latent pixels")
+    p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
+    p.add_argument("--save_latent", type=Path, help="also save the latent for ComfyUI's Load Latent node")
+
+
+def fast_camera(args, files, image, size, device):
+    """(whole-path camera or None, KeySteering or None, key rows of a --keys file or None, video frames)."""
+    requested = args.frame_num if args.frame_num is not None else DEFAULTS.frame_num
+    if args.keys is None:
+        cam_input = camera_input(args, image.shape[1:])
+        if cam_input is None:
+            return None, None, None, fast_frame_num(requested)
+        cam, frames = fast_run.camera_tensor(cam_input, files.control_type, args.frame_num, size, device)
+        return cam, None, None, frames
+    if args.camera_preset or args.action_string or args.allow_act2cam:
+        raise ValueError("--keys steers the camera: give no --action_string/--camera_preset/--allow_act2cam")
+    if files.control_type != "cam":
+        raise ValueError(
+            f"--keys: act2cam keys drive the Cam model; this model's control type is {files.control_type}"
+        )
+    folder = args.action_path and camera_files.load_camera_dir(args.action_path, require_poses=False)
+    intrinsics = folder["intrinsics"] if folder else fast_run.steering_intrinsics(None, size, args.camera_fov)
+    steering = KeySteering(size, intrinsics, device=device)
+    frames = fast_frame_num(requested)
+    rows = None
+    if args.keys != "-":
+        rows = fast_run.read_keys_file(args.keys)
+        chunks = min(len(rows), fast_latent_frames(frames) // CHUNK_FRAMES)
+        if len(rows) > chunks:
+            print(f"--keys: {len(rows)} lines, {chunks} chunks fit {frames} frames; the rest is not used")
+        rows, frames = rows[:chunks], (chunks * CHUNK_FRAMES - 1) * 4 + 1
+    return None, steering, rows, frames
+
+
+def run_fast(args) -> int:
+    output = video.check_output(args.output or default_output("lingbot_fast"), args.overwrite)
+    for extra in (args.report, args.save_latent):
+        if extra:
+            video.check_output(extra, overwrite=args.overwrite or extra == args.report)
+    device = resolve_device(args.device)
+    files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve())
+    check_text_dim(read_encoder_config(files.text_encoder)["dim"], files.config)
+    check_vae(files.vae)
+    tile = vae_tile(args.vae_tile)
+    try:
+        config = fast_run.fast_config(
+            args.sample_shift,
+            i2v.resolve_seed(args.seed),
+            args.local_attn_size,
+            args.sink_size,
+            args.kv_dtype,
+        )
+        swap = fast_run.check_swap_blocks(args.swap_blocks, files.config.num_layers)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+    image = load_image(args.image)
+    try:
+        size = i2v.latent_size(*image.shape[1:], args.size)
+    except ValueError as err:
+        raise ValueError(f"--size: {err}") from None
+    cam, steering, rows, frames = fast_camera(args, files, image, size, device)
+    lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames), size
+    if args.frame_num is not None and frames != args.frame_num:
+        print(
+            f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {CHUNK_FRAMES})"
+        )
+    kv = kv_cache_bytes_for(files.config, (lat_f, lat_h, lat_w), config)
+    print(f"LingBot-World-Fast: {lat_f // CHUNK_FRAMES} chunks, {frames} frames at {w}x{h}; attention caches "
+          f"up to {kv / memplan.GIB:.2f} GiB")  # fmt: skip
+    sink = fast_run.FrameSink(args.frames_dir, args.overwrite)
+    log = monitor.PhaseLog()
+    hooks = pipeline.Hooks(phase=log.phase)
+    try:
+        _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks)
+    except torch.OutOfMemoryError:
+        error = memplan.oom_error(hooks.current, None, memplan.free_memory(device)[0])
+    except KeyboardInterrupt:
+        if sink.dir is not None and sink.count:
+            print(f"{sink.count} frames were written to {sink.dir} before the interrupt", file=sys.stderr)
+        raise
+    else:
+        error = None
+    if error is not None:  # outside the handler: the failed step's tensors are gone
+        monitor.free_memory()
+        raise error
+    with hooks.in_phase("write_mp4"):
+        video.write_mp4(sink.video(), output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite)
+    print(log.table())
+    if args.report:
+        args.report.write_text(json.dumps([r.as_dict() for r in log.records], indent=1))
+    print(f"wrote {output} ({sink.count} frames, {w}x{h}, {fast_run.REAL_TIME_FPS} fps, seed {config.seed})")
+    return 0
+
+
+def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):
+    phase = hooks.in_phase
+    with phase("text_encode"):
+        (context,) = text_encode.encode_prompts(
+            files.text_encoder, [args.prompt], tokenizer_path=files.tokenizer, mode=args.t5_mode,
+            device="cpu" if args.t5_cpu else str(device),
+        )  # fmt: skip
+    with phase("load_vae"):
+        vae = load_vae(files.vae, device)
+    with phase("vae_encode"):
+        y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
+    model = fast_run.FastModel(files, device, quantize=args.quantize or None, swap_blocks=swap)
+    try:
+        with phase("load_model"):
+            dit = model()
+        lat_shape = (fast_latent_frames(frames), *size[:2])
+        session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
+        del y
+        if steering is None:
+            cameras = fast_run.whole_path_cameras(cam)
+        else:
+            cameras = fast_run.steered_cameras(fast_run.stdin_keys() if rows is None else rows, steering)
+
+        def on_chunk(chunk, frames_out, timing):
+            sink.add(frames_out)
+            print(timing.line(), flush=True)
+
+        try:
+            with phase("chunks"), vae.chunk_decoder(tile) as decoder:
+                made = fast_run.run_chunks(session, cameras, decoder, on_chunk)
+            if not made:
+                raise ValueError("--keys: no key line arrived; nothing was generated")
+            latent = session.latent()
+        finally:
+            session.close()
+    finally:
+        model.close()
+    if args.save_latent:
+        save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
+    return latent
+
+
 def run_camera(args) -> int:
     """`camera`: a preset (saved and/or drawn) or a pose folder / act2cam keys (drawn)."""
     if bool(args.camera_preset) == bool(args.action_path):
@@ -575,6 +780,8 @@ def main(argv=None) -> int:
             return run_camera(args)
         if args.command == "quantize":
             return run_quantize(args)
+        if args.command == "fast":
+            return run_fast(args)
         if args.command == "plan":
             return run_plan(args)
         if args.command == "doctor":

@@ -15,6 +15,7 @@ import torch
 
 from ..wan.block_swap import BlockSwapper, resolve_swap_blocks
 from ..wan.lora import attach_lora
+from .formats import ExpertSource
 from .monitor import free_memory
 from .stream import load_expert, release
 
@@ -51,7 +52,8 @@ class ExpertSwitcher:
         missing = {"high", "low"} - set(paths)
         if missing:
             raise ValueError(f"expert paths: missing {sorted(missing)}; expected keys 'high' and 'low'")
-        self.paths = {k: Path(v) for k, v in paths.items()}
+        # a path, or an ExpertSource already read (a folder without config.json, e.g. LingBot-World-Fast)
+        self.paths = {k: v if isinstance(v, ExpertSource) else Path(v) for k, v in paths.items()}
         self.device = torch.device(device)
         self.quantize = quantize
         self.ram_budget = ram_budget

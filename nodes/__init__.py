@@ -1,6 +1,7 @@
 """ComfyUI adapters: the only code in the pack that imports comfy.* (through nodes/memory.py)."""
 
 from .camera import LingBotCamera, LingBotCameraPreset, LingBotCameraPreview
+from .fast import LingBotFastLoader, LingBotFastSampler
 from .models import LingBotExpertsLoader, LingBotLoRA
 from .sampler import LingBotSampler
 from .speed import LingBotSpeed
@@ -18,6 +19,8 @@ _NODES = {
     "LingBotSampler": (LingBotSampler, "LingBot-World Sampler"),
     "LingBotSpeed": (LingBotSpeed, "LingBot Speed Options"),
     "LingBotVAEDecode": (LingBotVAEDecode, "LingBot VAE Decode"),
+    "LingBotFastLoader": (LingBotFastLoader, "LingBot-World-Fast Loader"),
+    "LingBotFastSampler": (LingBotFastSampler, "LingBot-World-Fast Sampler (chunked)"),
 }
 NODE_CLASS_MAPPINGS = {k: cls for k, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {k: name for k, (_, name) in _NODES.items()}

@@ -28,6 +28,7 @@ FAST_LORAS = (
     "wan2.2_i2v_lightx2v_4steps_lora_v1_high_noise.safetensors",
     "wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors",
 )  # what the fast-preset workflow names
+FAST_MODEL = "lingbot_world_fast"  # what the Fast workflow names
 TESTS = Path(__file__).resolve().parent
 
 
@@ -189,6 +190,14 @@ def build_models(root: Path, pack_root: Path) -> Path:
     experts = models / "diffusion_models" / "lingbot-world-base-cam-nf4"
     for name in ("high_noise_model_bnb_nf4", "low_noise_model_bnb_nf4"):
         shutil.copytree(ckpt / name, experts / name)
+    # the Fast workflow's model: one tiny cam DiT as fp32 diffusers shards, as robbyant/lingbot-world-fast ships
+    from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
+    from lingbot_world.loaders.synthetic import write_diffusers_expert
+
+    fast_config = resolve_checkpoint_dir(ckpt).config
+    write_diffusers_expert(
+        models / "diffusion_models" / FAST_MODEL, fast_config, seed=11, dtype=torch.float32, shards=2
+    )
     (models / "text_encoders").mkdir(parents=True)
     t5 = torch.load(ckpt / "models_t5_umt5-xxl-enc-bf16.pth", map_location="cpu", weights_only=True)
     write_hf_safetensors(

@@ -286,7 +286,10 @@ def test_workflows_carry_models_and_fit_a_1600x1000_window(path):
             m = entries[name]
             assert m["url"].startswith("https://huggingface.co/") and m["url"].endswith("/" + name)
             assert m["directory"] in ("text_encoders", "vae", "diffusion_models", "loras")
-    assert "cahlen/lingbot-world-base-cam-nf4" in wf["extra"]["info"]["description"]
+    description = wf["extra"]["info"]["description"]
+    assert "cahlen/lingbot-world-base-cam-nf4" in description
+    if any(n["type"] == "LingBotFastLoader" for n in wf["nodes"]):
+        assert "robbyant/lingbot-world-fast" in description
     # visible area of a 1600x1000 window: minus the side bar (~50 px) and the menu/tabs (~90 px)
     scale, (ox, oy) = wf["extra"]["ds"]["scale"], wf["extra"]["ds"]["offset"]
     right = max(n["pos"][0] + n["size"][0] for n in wf["nodes"])

@@ -23,8 +23,11 @@ PRESET_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_camera_preset.json
 NATIVE_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_native_text_vae.json"
 FAST_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_fast_preset.json"
 SMALL_CARD_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_12gb.json"
+CHUNKED_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_fast_chunked.json"
 API_WORKFLOW = ROOT / "workflows" / "api" / "lingbot_world_nf4_i2v_api.json"
 NODE_IDS = {
+    "LingBotFastLoader",
+    "LingBotFastSampler",
     "LingBotExpertsLoader",
     "LingBotTextEncode",
     "LingBotCamera",
@@ -131,11 +134,12 @@ def test_pack_registers_nodes_under_any_folder_name(server):
     assert "lingbot-world-base-cam-nf4/high_noise_model_bnb_nf4" in experts
     assert "lingbot-world-base-cam-nf4/low_noise_model_bnb_nf4" in experts
     assert "umt5_xxl_fp16.safetensors" in info["LingBotTextEncode"]["input"]["required"]["text_encoder"][0]
+    assert "lingbot_world_fast" in info["LingBotFastLoader"]["input"]["required"]["model"][0]
 
 
 @pytest.mark.parametrize(
     "workflow",
-    [WORKFLOW, PRESET_WORKFLOW, NATIVE_WORKFLOW, FAST_WORKFLOW, SMALL_CARD_WORKFLOW],
+    [WORKFLOW, PRESET_WORKFLOW, NATIVE_WORKFLOW, FAST_WORKFLOW, SMALL_CARD_WORKFLOW, CHUNKED_WORKFLOW],
     ids=lambda p: p.stem,
 )
 def test_workflow_files_are_consistent(server, workflow):
@@ -249,6 +253,23 @@ def test_fast_preset_runs_with_loras_and_one_forward_a_step(server):
     entry = server.wait_history(server.queue_prompt(prompt), timeout=150)
     assert len(saved_video(server, entry)) == 9
     assert "transformer forwards: 6 run, 0 skipped" in server.log(400), server.log(400)
+
+
+def test_fast_chunked_workflow_runs_chunk_by_chunk(server):
+    """The LingBot-World-Fast workflow end to end on a tiny Fast folder (fp32 shards quantized to NF4 while
+    loading): 2 chunks (21 frames) with its window, sink and fp8 K/V, progress per chunk in the log."""
+    api = ui_to_api(json.loads(CHUNKED_WORKFLOW.read_text()), server.object_info)
+    by_type = {n["class_type"]: n["inputs"] for n in api.values()}
+    sampler = by_type["LingBotFastSampler"]
+    assert (sampler["local_attn_size"], sampler["sink_size"], sampler["kv_dtype"]) == (15, 3, "fp8")
+    sampler.update({"max_area": "64*112", "length": 21, "local_attn_size": 3, "sink_size": 0})
+    by_type["LingBotCameraPreset"]["preset"] = "dolly in 1 12f ease, pan right 20 8f"
+    by_type["SaveVideo"]["filename_prefix"] = "lingbot_test/fast"
+    entry = server.wait_history(server.queue_prompt(api), timeout=150)
+    frames = saved_video(server, entry)
+    assert len(frames) == 21 and frames[0].shape == (48, 112, 3)
+    log = server.log(400)
+    assert "LingBot-World-Fast, 21 frames at 112x48 in 2 chunks" in log and "chunk 2/2: denoise" in log, log
 
 
 def test_small_card_preset_swaps_blocks_and_encodes_text_on_the_cpu(server):

@@ -1,0 +1,282 @@
+"""LingBot-World-Fast for the front ends: request checks, the i2v condition, the camera per chunk, the
+Fast model's residency, steering keys and the chunk loop that decodes and hands out frames as they come.
+
+The CLI's `fast` command and the ComfyUI Fast nodes both run `wan.fast.FastSession` through here.
+"""
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..wan import i2v
+from ..wan.block_swap import resolve_swap_blocks
+from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
+from ..wan.config import SampleConfig
+from ..wan.fast import CHUNK_FRAMES, FastConfig, FastSession, fast_frame_num, fast_latent_frames
+from ..wan.fast_camera import KeySteering, parse_keys_line, pose_camera
+from ..wan.pipeline import frames_to_uint8
+from .camera_files import CameraInput
+from .experts import ExpertSwitcher
+from .fast_checkpoint import FastFiles
+from .formats import ExpertSource
+
+KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
+REAL_TIME_FPS = 16  # the video's frame rate: a chunk produced faster than this keeps up with playback
+DEFAULT_FRAMES = SampleConfig.frame_num
+
+
+def fast_config(shift: float, seed: int, local_attn_size: int, sink_size: int, kv_dtype: str) -> FastConfig:
+    """A checked FastConfig; kv_dtype by name ('bf16' = the model's compute dtype, 'fp8' = float8 e4m3)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    config = FastConfig(
+        shift=shift,
+        seed=seed,
+        local_attn_size=local_attn_size,
+        sink_size=sink_size,
+        kv_dtype=KV_DTYPES[kv_dtype],
+    )
+    config.validate()
+    return config
+
+
+def check_swap_blocks(value, num_layers: int) -> int:
+    n = resolve_swap_blocks(value, num_layers)
+    return n if isinstance(n, int) else 0
+
+
+def condition(image: torch.Tensor, encode: Callable, frame_num: int, size: tuple, device) -> torch.Tensor:
+    """The i2v condition y [20, lat_f, lat_h, lat_w] for the whole clip, computed once as upstream: the
+    first-frame mask and the VAE latent of the image followed by frame_num - 1 zero frames."""
+    lat_h, lat_w, h, w = size
+    mask = i2v.first_frame_mask(frame_num, lat_h, lat_w, device)
+    latent = encode(i2v.vae_input(image, frame_num, h, w).to(device))
+    return torch.cat([mask, latent.to(device, torch.float32)])
+
+
+def camera_frames(camera: CameraInput, frame_num: int | None) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """(poses, actions, video frames) a camera input drives for `frame_num` (None: its own length or
+    the default), upstream's rules: a pose file cut to the frames, act2cam's F+1 poses whole."""
+    poses, actions, frames = camera.plan(frame_num)
+    if not camera.act2cam:
+        poses = poses[:frames]
+    return poses, actions, frames
+
+
+def camera_tensor(camera: CameraInput, control_type: str | None, frame_num: int | None, size: tuple, device):
+    """(packed camera [1, C, lat_f, lat_h, lat_w] by upstream Fast's rule, the video frames Fast makes)."""
+    if control_type is None:
+        raise ValueError("camera: this model has no camera layers; give no camera input")
+    poses, actions, frames = camera_frames(camera, frame_num)
+    lat_f = fast_latent_frames(frames)
+    cam = pose_camera(poses, camera.intrinsics, lat_f, size, control_type, actions, device=device)
+    return cam, fast_frame_num(frames)
+
+
+def steering_intrinsics(camera: CameraInput | None, size: tuple, hfov_deg: float = DEFAULT_HFOV_DEG):
+    """Intrinsics for keys steering: a camera folder's intrinsics.npy, else a centred pinhole of
+    `hfov_deg` horizontal field of view at the video size."""
+    if camera is not None:
+        return camera.intrinsics
+    return preset_intrinsics(np.ones(1), size[2:], hfov_deg)
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+
+class FastModel:
+    """The one Fast DiT: streamed in (quantized to NF4 on the way if asked) when first needed, optionally
+    with block swap, kept until `release` (parked in RAM within `ram_budget`, else dropped)."""
+
+    def __init__(self, files: FastFiles, device, quantize: bool | None = None, swap_blocks: int = 0,
+                 ram_budget: int = 0):  # fmt: skip
+        # ExpertSwitcher's residency, swap and parking, for a single model under one role name
+        self._switcher = ExpertSwitcher(
+            {"high": files.source, "low": files.source}, device, quantize=quantize, ram_budget=ram_budget,
+            swap_blocks=swap_blocks,
+        )  # fmt: skip
+        self.files = files
+
+    @property
+    def device(self) -> torch.device:
+        return self._switcher.device
+
+    @property
+    def loads(self) -> int:
+        return self._switcher.loads
+
+    def __call__(self):
+        return self._switcher("high")
+
+    def release(self) -> None:
+        self._switcher.release()
+
+    def close(self) -> None:
+        self._switcher.close()
+
+
+def device_bytes(source: ExpertSource, quantize: bool | None) -> int:
+    """Device bytes of the loaded model (to ask the host for room): as stored for an NF4 folder; else bf16,
+    with the 2-D (Linear) weights at ~4.1 bits when quantized while loading."""
+    if source.quantized:
+        return source.nbytes
+    total = 0
+    for ref in source.tensors.values():
+        n = math.prod(ref.shape)
+        total += n * 33 // 64 if quantize and len(ref.shape) == 2 else 2 * n
+    return total
+
+
+# ------------------------------------------------------------------------------------------- keys
+
+
+def read_keys_file(path) -> list[np.ndarray]:
+    """Every line of a keys file, checked before anything loads (ValueError naming the bad line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--keys: {path} not found")
+    lines = path.read_text().splitlines()
+    if not lines:
+        raise ValueError(f"--keys: {path} is empty; expected one line of keys per chunk (e.g. 'w')")
+    return [parse_keys_line(line, f"--keys {path} line {n}") for n, line in enumerate(lines, start=1)]
+
+
+def stdin_keys(stream=None, prompt: bool | None = None) -> Iterator[np.ndarray]:
+    """Key lines from stdin as the chunks need them; a bad line is reported on stderr and skipped (the
+    run goes on with the next line); end of input ends the clip."""
+    stream = stream or sys.stdin
+    prompt = stream.isatty() if prompt is None else prompt
+    n = 0
+    while True:
+        if prompt:
+            print("keys for the next chunk (w a s d i j k l, none)> ", end="", file=sys.stderr, flush=True)
+        line = stream.readline()
+        if not line:
+            return
+        n += 1
+        try:
+            yield parse_keys_line(line, f"--keys stdin line {n}")
+        except ValueError as err:
+            print(f"ignored: {err}", file=sys.stderr, flush=True)
+
+
+def steered_cameras(keys: Iterable[np.ndarray], steering: KeySteering) -> Iterator[torch.Tensor]:
+    """Chunk k's camera, built when chunk k starts from the keys of chunks 0..k."""
+    for row in keys:
+        steering.add(row)
+        yield steering.camera(steering.chunks - 1)
+
+
+def whole_path_cameras(cam: torch.Tensor | None) -> Iterator[torch.Tensor | None]:
+    """The slices of a camera built up front (None forever for no camera)."""
+    k = 0
+    while True:
+        yield None if cam is None else cam[:, :, k * CHUNK_FRAMES : (k + 1) * CHUNK_FRAMES]
+        k += 1
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True)
+class ChunkTiming:
+    index: int
+    chunks: int
+    frames: int  # video frames this chunk decoded to
+    denoise_s: float  # 4 steps + the commit pass
+    decode_s: float
+    kv_cache_bytes: int
+
+    @property
+    def fps(self) -> float:
+        """Video frames produced per second of wall time for this chunk (real time: 16)."""
+        return self.frames / max(self.denoise_s + self.decode_s, 1e-9)
+
+    def line(self) -> str:
+        head = f"chunk {self.index + 1}/{self.chunks}: denoise {self.denoise_s * 1e3:.0f} ms"
+        cache = f"KV cache {self.kv_cache_bytes / 2**30:.2f} GiB"
+        if not self.frames:  # not decoded here
+            return f"{head}, {cache}"
+        pace = "faster than" if self.fps >= REAL_TIME_FPS else "slower than"
+        return (
+            f"{head}, decode {self.decode_s * 1e3:.0f} ms, {self.frames} frames -> {self.fps:.1f} fps "
+            f"({pace} real time, {REAL_TIME_FPS} fps), {cache}"
+        )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_chunks(session: FastSession, cameras: Iterable, decoder, on_chunk: Callable) -> int:
+    """Generate chunk after chunk, each with the next camera from `cameras` (running out ends the clip
+    early), decode it at once with `decoder` (a `WanVAE.chunk_decoder()`, or None to skip decoding) and
+    call on_chunk(latent [16, 3, h, w], video [3, F, H, W] or None, ChunkTiming). Returns the chunks made."""
+    device = session.device
+    for k, cam in zip(range(session.num_chunks), cameras, strict=False):
+        t0 = time.perf_counter()
+        latent = session.next_chunk(cam)
+        _sync(device)
+        t1 = time.perf_counter()
+        video = None
+        if decoder is not None:
+            video = decoder.decode(latent)
+            _sync(device)
+        t2 = time.perf_counter()
+        frames = 0 if video is None else video.shape[1]
+        on_chunk(
+            latent,
+            video,
+            ChunkTiming(k, session.num_chunks, frames, t1 - t0, t2 - t1, session.kv_cache_bytes()),
+        )
+    return session.done
+
+
+class FrameSink:
+    """Decoded chunks -> uint8 frames kept for the MP4, and written as PNGs to `frames_dir` as they come
+    (each PNG written to a temporary name and renamed, so a viewer never reads half a file)."""
+
+    def __init__(self, frames_dir: Path | None = None, overwrite: bool = False):
+        self.frames: list[torch.Tensor] = []
+        self.count = 0
+        self.dir = None if frames_dir is None else check_frames_dir(frames_dir, overwrite)
+
+    def add(self, video: torch.Tensor) -> None:
+        frames = frames_to_uint8(video)
+        self.frames.append(frames)
+        if self.dir is not None:
+            from PIL import Image
+
+            for i, frame in enumerate(frames.numpy(), start=self.count):
+                target = self.dir / f"frame_{i:05d}.png"
+                tmp = self.dir / f".frame_{i:05d}.partial.png"
+                Image.fromarray(frame).save(tmp)
+                tmp.replace(target)
+        self.count += len(frames)
+
+    def video(self) -> torch.Tensor:
+        return torch.cat(self.frames) if self.frames else torch.empty(0, 0, 0, 3, dtype=torch.uint8)
+
+
+def check_frames_dir(path, overwrite: bool = False) -> Path:
+    """A folder for PNG frames: created if missing; one already holding frame_*.png only with overwrite."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"--frames_dir: {path} is a file; give a folder")
+    path.mkdir(parents=True, exist_ok=True)
+    old = sorted(path.glob("frame_*.png"))
+    if old:
+        if not overwrite:
+            raise FileExistsError(
+                f"--frames_dir: {path} already holds {len(old)} frame_*.png; pass --overwrite"
+            )
+        for p in old:
+            p.unlink()
+    return path

@@ -1,0 +1,267 @@
+"""LingBot-World-Fast nodes: the one causal DiT's loader, and the chunk-by-chunk sampler."""
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import folder_paths
+
+from ..loaders import fast_run
+from ..loaders.fast_checkpoint import fast_model_dir
+from ..loaders.formats import DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, ExpertSource, detect_expert_format
+from ..loaders.request import RequestError, check_text_dim
+from ..wan import i2v
+from ..wan.fast import CHUNK_FRAMES, FastSession, fast_frame_num, fast_latent_frames, kv_cache_bytes_for
+from . import memory
+from .camera import CAMERA
+from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
+from .sampler import SIZING, image_to_input
+from .text import TEXT, conditioning_to_context
+from .vae import VAE, sampler_vae
+
+FAST = "LINGBOT_FAST"
+NO_MODEL = "(none found: set ckpt_dir)"
+log = logging.getLogger("LingBot-World")
+
+
+def fast_choices() -> list[str]:
+    """Model folders under ComfyUI's diffusion_models folders (diffusers shards or a single file, NF4
+    folders), listed as the folder; config.json is optional (LingBot-World-Fast ships none)."""
+    out = set()
+    for rel in folder_paths.get_filename_list(MODELS_KIND):
+        name, folder = os.path.basename(rel), os.path.dirname(rel)
+        shard = name.startswith("diffusion_pytorch_model-") and name.endswith(".safetensors")
+        if folder and (name in (NF4_WEIGHTS, NF4_PT, DIFFUSERS_SINGLE) or shard):
+            out.add(folder)
+    return sorted(out)
+
+
+@dataclass
+class FastHandle(ExpertsHandle):
+    """What flows on a LINGBOT_FAST link: the checked model source and load settings, no weights; the
+    loaded model is kept (and parked within keep_in_ram_gb) as ExpertsHandle keeps an expert."""
+
+    source: ExpertSource | None = None
+
+    def model(self, device, working_bytes: int):
+        """The loaded model on `device` (ComfyUI asked for room first)."""
+        return self.provider(device, working_bytes, {})("high")
+
+
+class LingBotFastLoader:
+    DESCRIPTION = (
+        "Picks the LingBot-World-Fast model (robbyant/lingbot-world-fast: one causal DiT, ~69 GB of fp32 "
+        "shards; or the NF4 folder `lingbot.py quantize` writes from it). Checks it from its headers now; "
+        "the Fast sampler streams it in, quantizing to NF4 on the way when asked."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = (FAST,)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("The Fast model's path and load settings; nothing is loaded until the sampler runs.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        choices = fast_choices() or [NO_MODEL]
+        return {
+            "required": {
+                "model": (choices, {
+                    "default": _default(choices, "fast"),
+                    "tooltip": "The Fast model folder from models/diffusion_models, e.g. lingbot_world_fast "
+                    "(huggingface-cli download robbyant/lingbot-world-fast) or lingbot_world_fast_nf4.",
+                }),
+                "quantize_to_nf4": ("BOOLEAN", {
+                    "default": True,
+                    "tooltip": "Quantize a bf16/fp32 model to NF4 while streaming it in (~9.6 GB instead of "
+                    "~37 GB in bf16). An NF4 folder is used as stored either way.",
+                }),
+                "keep_in_ram_gb": ("FLOAT", {
+                    "default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
+                    "tooltip": "Host RAM allowed for keeping the loaded model between runs (NF4: ~10 GB). "
+                    "0 = stream it from disk again on every run.",
+                }),
+            },
+            "optional": {
+                "ckpt_dir": ("STRING", {
+                    "default": "",
+                    "tooltip": "Optional: the Fast model folder, or the base-cam folder holding "
+                    "lingbot_world_fast(_nf4)/; when set it replaces the list above.",
+                }),
+                "swap_blocks": ("INT", {
+                    "default": 0, "min": 0, "max": 40, "step": 1,
+                    "tooltip": "DiT blocks kept in pinned host RAM and streamed to the GPU one block ahead of "
+                    "their turn: less VRAM, identical results, a little slower. 0 = all on the GPU.",
+                }),
+            },
+        }  # fmt: skip
+
+    def load(self, model, quantize_to_nf4, keep_in_ram_gb, ckpt_dir="", swap_blocks=0):
+        if ckpt_dir.strip():
+            path = fast_model_dir(Path(ckpt_dir.strip()).expanduser())
+        else:
+            if model == NO_MODEL:
+                raise FileNotFoundError(
+                    "no model folders found in the diffusion_models folders "
+                    f"({', '.join(folder_paths.get_folder_paths(MODELS_KIND))}); put lingbot_world_fast/ there "
+                    "or set ckpt_dir"
+                )
+            path = resolve_model(MODELS_KIND, model)
+        source = detect_expert_format(path, require_config=False)
+        config = source.dit_config
+        if isinstance(swap_blocks, bool) or not isinstance(swap_blocks, int) or not 0 <= swap_blocks:
+            raise ValueError(f"swap_blocks: expected an integer >= 0, got {swap_blocks!r}")
+        if swap_blocks > config.num_layers:
+            raise ValueError(f"swap_blocks: this model has {config.num_layers} blocks, got {swap_blocks}")
+        quantize = True if quantize_to_nf4 else None
+        nbytes = fast_run.device_bytes(source, quantize)
+        handle = FastHandle(
+            paths={"high": source, "low": source}, config=config, nbytes={"high": nbytes, "low": nbytes},
+            quantize=quantize, ram_budget=int(keep_in_ram_gb * memory.GIB), swap_blocks=swap_blocks,
+            source=source,
+        )  # fmt: skip
+        return (handle,)
+
+
+class LingBotFastSampler:
+    DESCRIPTION = (
+        "LingBot-World-Fast sampling: the clip is made chunk by chunk (3 latent frames = 12 video frames), "
+        "4 steps a chunk and no CFG, each chunk attending to a cache of the ones before. local_attn_size and "
+        "sink_size bound that cache (upstream's default: unbounded); kv_dtype fp8 halves it."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "sample"
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("latent",)
+    OUTPUT_TOOLTIPS = ("Video latent [1, 16, T, H/8, W/8] (Wan2.1 VAE space), T a multiple of 3.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (FAST, {"tooltip": "From LingBot Fast Loader."}),
+                "vae": (f"{VAE},VAE", {
+                    "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
+                }),
+                "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
+                "sizing": (list(SIZING), {
+                    "default": "max_area",
+                    "tooltip": "max_area: the image's aspect within a pixel budget (upstream's sizing). "
+                    "explicit: width x height below.",
+                }),
+                "max_area": ("STRING", {"default": "480*832", "tooltip": "Pixel budget h*w for max_area sizing."}),
+                "width": ("INT", {
+                    "default": 832, "min": 16, "max": 4096, "step": 16,
+                    "tooltip": "explicit sizing: output width, a multiple of 16.",
+                }),
+                "height": ("INT", {
+                    "default": 480, "min": 16, "max": 4096, "step": 16,
+                    "tooltip": "explicit sizing: output height, a multiple of 16.",
+                }),
+                "length": ("INT", {
+                    "default": 81, "min": 9, "max": 1601, "step": 4,
+                    "tooltip": "Video frames; rounded down to whole chunks of 3 latent frames (81 -> 81, "
+                    "161 -> 153). A pose file with fewer poses caps it; an action string sets it.",
+                }),
+                "seed": ("INT", {
+                    "default": 42, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+                    "tooltip": "Noise seed (upstream: 42). Noise is drawn on the sampling device.",
+                }),
+                "shift": ("FLOAT", {
+                    "default": 10.0, "min": 0.1, "max": 100.0, "step": 0.1,
+                    "tooltip": "Timestep shift (upstream's Fast CLI: 10, giving t = 999, 978, 947, 825).",
+                }),
+                "local_attn_size": ("INT", {
+                    "default": -1, "min": -1, "max": 1024,
+                    "tooltip": "Latent frames the attention cache keeps, sink included; -1 = all (upstream). "
+                    "A window bounds memory and per-chunk time on long clips (e.g. 15 or 21).",
+                }),
+                "sink_size": ("INT", {
+                    "default": 0, "min": 0, "max": 1024,
+                    "tooltip": "Latent frames at the start the window never evicts (e.g. 3: the first chunk).",
+                }),
+                "kv_dtype": (list(fast_run.KV_DTYPES), {
+                    "default": "bf16",
+                    "tooltip": "Attention cache dtype: bf16 as upstream, or fp8 (e4m3) at half the memory.",
+                }),
+            },
+            "optional": {
+                "camera": (CAMERA, {"tooltip": "From LingBot Camera / Camera Preset. Without it: no camera input."}),
+                "text": (TEXT, {"tooltip": "From LingBot Text Encode; only the prompt is used (no CFG)."}),
+                "positive": ("CONDITIONING", {
+                    "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP.",
+                }),
+            },
+        }  # fmt: skip
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, max_area=None, length=None, local_attn_size=None, sink_size=None):
+        """Checked when the prompt is queued (a linked value arrives as None)."""
+        try:
+            if isinstance(max_area, str):
+                i2v.parse_max_area(max_area)
+            if length is not None:
+                fast_latent_frames(length)
+            if local_attn_size is not None and sink_size is not None:
+                fast_run.fast_config(10.0, 42, local_attn_size, sink_size, "bf16")
+        except ValueError as e:
+            return str(e)
+        return True
+
+    def sample(self, model, vae, image, sizing, max_area, width, height, length, seed, shift, local_attn_size,
+               sink_size, kv_dtype, camera=None, text=None, positive=None):  # fmt: skip
+        if (text is None) == (positive is None):
+            raise ValueError(
+                "text: connect LingBot Text Encode to 'text' or a CLIP Text Encode to 'positive' (one)"
+            )
+        context = text.context if text is not None else conditioning_to_context(positive, "positive")
+        vae = sampler_vae(vae)
+        img = image_to_input(image)
+        config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype)
+        try:
+            check_text_dim(context.shape[-1], model.config)
+        except RequestError as e:
+            raise ValueError(f"text: {e.detail}") from None
+        if sizing == "max_area":
+            size = i2v.latent_size(*img.shape[1:], i2v.parse_max_area(max_area))
+        else:
+            size = i2v.explicit_size(width, height)
+        device = memory.torch_device()
+        cam = None
+        if camera is not None:
+            cam, frames = fast_run.camera_tensor(camera, model.config.control_type, length, size, device)
+        else:
+            frames = fast_frame_num(length)
+        lat_f = fast_latent_frames(frames)
+        chunks = lat_f // CHUNK_FRAMES
+        hooks, phases = memory.sampling_hooks(chunks)
+        with hooks.in_phase("vae_encode"):
+            y = fast_run.condition(img, vae.encode, frames, size, device)
+        kv = kv_cache_bytes_for(model.config, (lat_f, *size[:2]), config)
+        session = None
+        try:
+            with hooks.in_phase("load_model"):
+                dit = model.model(device, kv + y.numel() * 4 * 4)
+            session = FastSession(dit, context.to(device), y, (lat_f, *size[:2]), config, device, hooks)
+            del y
+            timings = []
+            with hooks.in_phase("chunks"):
+                fast_run.run_chunks(
+                    session, fast_run.whole_path_cameras(cam), None, lambda c, v, t: timings.append(t)
+                )
+            latent = session.latent()
+        except BaseException as e:
+            model.close()  # errors and interrupts also drop what keep_in_ram_gb kept
+            log.info("LingBot-World-Fast sampling stopped (%s); model released", type(e).__name__)
+            raise
+        finally:
+            if session is not None:
+                session.close()
+            memory.after_release()
+        model.release()
+        log.info(
+            "LingBot-World-Fast, %d frames at %dx%d in %d chunks:\n%s\n%s",
+            frames, size[3], size[2], chunks, phases.table(), "\n".join(t.line() for t in timings),
+        )  # fmt: skip
+        samples = vae.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
+        return ({"samples": samples},)

@@ -1,0 +1,264 @@
+"""LingBot-World-Fast's front ends on a tiny Fast folder: the CLI `fast` command (whole path, keys steering
+from a file and from stdin, bad input), the steering camera's causality, and the ComfyUI nodes."""
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from lingbot_world import cli
+from lingbot_world.loaders import fast_run, synthetic
+from lingbot_world.loaders.camera_files import CameraInput
+from lingbot_world.loaders.fast_checkpoint import FAST_DIR, resolve_fast_dir
+from lingbot_world.loaders.stream import load_expert
+from lingbot_world.loaders.text_encode import encode_prompts
+from lingbot_world.loaders.vae import load_vae
+from lingbot_world.loaders.video import read_mp4_info
+from lingbot_world.wan import i2v
+from lingbot_world.wan.actions import actions_to_poses
+from lingbot_world.wan.camera import camera_conditioning, relative_poses
+from lingbot_world.wan.camera_presets import preset_intrinsics
+from lingbot_world.wan.fast import FastConfig, generate_fast
+from lingbot_world.wan.fast_camera import KEY_STEP, KeySteering, keys_camera, parse_keys_line, pose_camera
+from lingbot_world.wan.vae import to_comfy_latent
+from PIL import Image
+from safetensors.torch import load_file
+from test_request import _fake_comfy
+
+pytestmark = pytest.mark.usefixtures("embedding_cache")
+SIZE = (6, 14, 48, 112)  # examples/00's 1280x720 image at 64*112
+
+
+@pytest.fixture(scope="module")
+def fast_ckpt(nf4_ckpt, tmp_path_factory):
+    """A base-cam folder (the tiny demo checkpoint's files) holding lingbot_world_fast/: one tiny cam DiT
+    as fp32 diffusers shards with their index, as the Fast release ships it."""
+    root = tmp_path_factory.mktemp("fast_base_cam")
+    for entry in nf4_ckpt.iterdir():
+        (root / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    cfg = resolve_fast_dir_config(nf4_ckpt)
+    synthetic.write_diffusers_expert(root / FAST_DIR, cfg, seed=11, dtype=torch.float32, shards=2)
+    return root
+
+
+def resolve_fast_dir_config(nf4_ckpt):
+    from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
+
+    return resolve_checkpoint_dir(nf4_ckpt).config
+
+
+def fast_args(ckpt, example, out, *extra):
+    return [
+        "fast", "--ckpt_dir", str(ckpt), "--image", str(example / "image.jpg"), "--prompt", "a castle",
+        "--size", "64*112", "--device", "cpu", "--t5_mode", "inprocess", "--output", str(out), *extra,
+    ]  # fmt: skip
+
+
+class Offline:
+    """The same pieces the command assembles, put together here by hand for `generate_fast`."""
+
+    def __init__(self, ckpt, example):
+        self.files = resolve_fast_dir(ckpt)
+        with Image.open(example / "image.jpg") as img:
+            self.image = i2v.image_to_tensor(img)
+        (self.context,) = encode_prompts(
+            self.files.text_encoder, ["a castle"], tokenizer_path=self.files.tokenizer, mode="inprocess"
+        )
+        self.vae = load_vae(self.files.vae)
+        self.model = load_expert(self.files.source, "cpu")
+
+    def latent(self, cam, frames):
+        y = fast_run.condition(self.image, self.vae.encode, frames, SIZE, "cpu")
+        lat_f = (frames - 1) // 4 + 1
+        return generate_fast(self.model, self.context, y, cam, (lat_f, *SIZE[:2]), FastConfig(), "cpu")
+
+
+@pytest.fixture(scope="module")
+def offline(fast_ckpt, shipped_example, tmp_path_factory):
+    os.environ.setdefault("LINGBOT_WORLD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    return Offline(fast_ckpt, shipped_example)
+
+
+def test_fast_command_whole_path(fast_ckpt, shipped_example, tmp_path, capsys, offline):
+    """Poses up front: 25 frames asked -> 7 latent frames cut to 6 (2 chunks, 21 frames), each chunk
+    decoded as it finishes; the saved latent is generate_fast's with upstream Fast's camera."""
+    out, saved, frames_dir = tmp_path / "o.mp4", tmp_path / "o.latent", tmp_path / "frames"
+    args = fast_args(fast_ckpt, shipped_example, out, "--action_path", str(shipped_example), "--frame_num",
+                     "25", "--save_latent", str(saved), "--frames_dir", str(frames_dir))  # fmt: skip
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "frames: 25 asked, 21 made (6 latent frames" in printed
+    assert "chunk 1/2: denoise" in printed and "chunk 2/2: denoise" in printed and "fps" in printed
+    for phase in ("text_encode", "vae_encode", "load_model", "chunks", "write_mp4"):
+        assert phase in printed
+    assert read_mp4_info(out) == {"frames": 21, "width": 112, "height": 48, "fps": 16.0}
+    assert len(list(frames_dir.glob("frame_*.png"))) == 21
+
+    camera = CameraInput.from_dir(shipped_example)
+    poses = camera.plan(25)[0][:25]  # the 25 poses, interpolated to 6 latent poses over all of them
+    cam = pose_camera(poses, camera.intrinsics, 6, SIZE)
+    want = to_comfy_latent(offline.latent(cam, 21))
+    assert torch.equal(load_file(str(saved))["latent_tensor"], want)
+
+
+def test_fast_camera_equals_base_camera_when_nothing_is_cut(shipped_example):
+    """With a length that is already whole chunks, upstream Fast's camera is base-cam's (same interpolation)."""
+    camera = CameraInput.from_dir(shipped_example)
+    poses, intr = camera.poses[:9], camera.intrinsics
+    base, frames = camera_conditioning(poses, intr, 9, 48, 112, 6, 14)
+    assert frames == 9 and torch.equal(pose_camera(poses, intr, 3, SIZE), base)
+
+
+KEYS = ["w", "wj", "none"]
+
+
+def test_steering_camera_is_causal_and_matches_act2cam():
+    intr = preset_intrinsics(np.ones(1), SIZE[2:])
+    full = keys_camera(KEYS + ["sl"], SIZE, intr)
+    other = keys_camera(KEYS[:2] + ["il", "a"], SIZE, intr)
+    steering = KeySteering(SIZE, intr)
+    for k, line in enumerate(KEYS):
+        steering.add(parse_keys_line(line))
+        part = steering.camera(k)  # built from the keys of chunks 0..k only
+        assert torch.equal(part, full[:, :, 3 * k : 3 * k + 3])
+        if k < 2:
+            assert torch.equal(part, other[:, :, 3 * k : 3 * k + 3])
+    assert not torch.equal(full[:, :, 6:9], other[:, :, 6:9])  # chunk 2's own keys do count
+
+    # latent frame i sits on act2cam's pose at video frame 4i: 8 key rows for chunk 0, then 12
+    rows = np.repeat(np.array([[1, 0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0], [0] * 8], np.float32),
+                     [8, 12, 12], axis=0)  # fmt: skip
+    poses = actions_to_poses(rows[:, :4], rows[:, 4:])
+    np.testing.assert_allclose(steering.latent_poses().numpy(), poses[::4], atol=1e-6)
+    # a path whose fastest step is one held key: the fixed step gives upstream's whole-path normalisation
+    walk = KeySteering(SIZE, intr)
+    for _ in range(3):
+        walk.add(parse_keys_line("w"))
+    upstream = relative_poses(walk.latent_poses(), framewise=True)
+    ours = relative_poses(walk.latent_poses(), framewise=True, normalize_trans=False)
+    ours[:, :3, 3] /= KEY_STEP
+    torch.testing.assert_close(ours, upstream)
+
+
+def test_keys_file_steers_chunk_by_chunk(fast_ckpt, shipped_example, tmp_path, capsys, offline, monkeypatch):
+    """3 key lines -> 3 chunks (9 + 12 + 12 frames) written as each chunk is decoded; the latent equals
+    generate_fast with the camera built afterwards from the same keys."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("\n".join(KEYS) + "\n")
+    out, saved, frames_dir = tmp_path / "k.mp4", tmp_path / "k.latent", tmp_path / "live"
+    written = []
+    real_add = fast_run.FrameSink.add
+
+    def add(self, video):
+        real_add(self, video)
+        written.append(len(list(frames_dir.glob("frame_*.png"))))
+
+    monkeypatch.setattr(fast_run.FrameSink, "add", add)
+    args = fast_args(fast_ckpt, shipped_example, out, "--keys", str(keys), "--save_latent", str(saved),
+                     "--frames_dir", str(frames_dir))  # fmt: skip
+    assert cli.main(args) == 0
+    assert written == [9, 21, 33]
+    printed = capsys.readouterr().out
+    assert [line.split(":")[0] for line in printed.splitlines() if line.startswith("chunk ")] == [
+        "chunk 1/3", "chunk 2/3", "chunk 3/3"
+    ]  # fmt: skip
+    assert read_mp4_info(out)["frames"] == 33
+
+    cam = keys_camera(KEYS, SIZE, preset_intrinsics(np.ones(1), SIZE[2:]))
+    want = to_comfy_latent(offline.latent(cam, 33))
+    assert torch.equal(load_file(str(saved))["latent_tensor"], want)
+
+
+def test_keys_from_stdin_skip_a_bad_line_and_end_with_the_input(
+    fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("d\nwx\nl\n"))
+    out = tmp_path / "s.mp4"
+    assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--keys", "-", "--frame_num", "49")) == 0
+    captured = capsys.readouterr()
+    assert "ignored: --keys stdin line 2: 'wx' is not a keys line" in captured.err
+    assert "chunk 2/4:" in captured.out and "chunk 3/4" not in captured.out  # input ended after 2 chunks
+    assert read_mp4_info(out)["frames"] == 21
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(fast_run.ExpertSwitcher, "__call__", loaded)
+    monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--keys", "KEYS"], "line 2: 'wq' is not a keys line"),
+        (["--keys", "KEYS", "--action_string", "w-5"], "--keys steers the camera"),
+        (["--local_attn_size", "4", "--sink_size", "3"], "--local_attn_size: must leave room"),
+        (["--frame_num", "5"], "frame_num: Fast needs at least 9 frames"),
+        (["--kv_dtype", "fp8", "--swap_blocks", "9"], "--swap_blocks"),
+    ],
+    ids=["bad-keys-line", "keys-and-string", "window", "too-short", "swap"],
+)
+def test_bad_input_exits_2_before_loading(
+    fast_ckpt, shipped_example, tmp_path, capsys, nothing_loads, extra, needle
+):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("w\nwq\nnone\n")
+    extra = [str(keys) if a == "KEYS" else a for a in extra]
+    out = tmp_path / "never.mp4"
+    assert cli.main(fast_args(fast_ckpt, shipped_example, out, *extra)) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeypatch, capsys):
+    saved = tmp_path / "cli.latent"
+    args = fast_args(fast_ckpt, shipped_example, tmp_path / "o.mp4", "--action_path", str(shipped_example),
+                     "--frame_num", "21", "--seed", "5", "--local_attn_size", "3", "--save_latent", str(saved))  # fmt: skip
+    assert cli.main(args) == 0
+
+    nodes = _fake_comfy(monkeypatch, fast_ckpt, tmp_path)
+    assert {"LingBotFastLoader", "LingBotFastSampler"} <= nodes.NODE_CLASS_MAPPINGS.keys()
+    assert nodes.LingBotFastSampler.VALIDATE_INPUTS("64*112", 5).startswith("frame_num: Fast needs")
+    assert "must leave room" in nodes.LingBotFastSampler.VALIDATE_INPUTS(local_attn_size=4, sink_size=3)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    (text,) = nodes.LingBotTextEncode().encode(
+        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
+    )
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    camera, _ = nodes.LingBotCamera().load(str(shipped_example))
+    with Image.open(shipped_example / "image.jpg") as img:
+        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    (out,) = nodes.LingBotFastSampler().sample(
+        model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, 3, 0, "bf16", camera=camera, text=text
+    )
+    assert out["samples"].shape == (1, 16, 6, 6, 14)
+    assert torch.equal(out["samples"], load_file(str(saved))["latent_tensor"])
+    with pytest.raises(ValueError, match="connect LingBot Text Encode"):
+        nodes.LingBotFastSampler().sample(model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, -1,
+                                          0, "bf16")  # fmt: skip
+
+
+def test_ctrl_c_between_chunks_writes_no_mp4(fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second chunk: exit 130, the model released, no MP4; the PNGs of chunk 1 stay."""
+    from lingbot_world.wan.fast import FastSession
+
+    real = FastSession.next_chunk
+
+    def next_chunk(self, cam=None):
+        if self.done == 1:
+            raise KeyboardInterrupt
+        return real(self, cam)
+
+    monkeypatch.setattr(FastSession, "next_chunk", next_chunk)
+    out, frames_dir = tmp_path / "never.mp4", tmp_path / "live"
+    args = fast_args(fast_ckpt, shipped_example, out, "--frame_num", "21", "--frames_dir", str(frames_dir))
+    assert cli.main(args) == 130
+    assert "9 frames were written to" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".*partial*"))
+    assert len(list(frames_dir.glob("frame_*.png"))) == 9

@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -280,3 +280,73 @@ def check_frames_dir(path, overwrite: bool = False) -> Path:
         for p in old:
             p.unlink()
     return path
+
+
+# ----------------------------------------------------------------------------------------- memory
+
+# Working memory of one chunk's forward beyond the weights and the caches, per token of the chunk:
+# measured on an H200 at 464x832 (4,524 tokens a chunk) as peak - resident model - caches, 1.20-1.26 GiB
+# across the unbounded, windowed and fp8 settings (BENCHMARKS.md, bench_fast); the largest is kept.
+FAST_CHUNK_PER_TOKEN = int(1.27 * (1 << 30)) // 4524
+
+
+@dataclass(frozen=True)
+class FastMemory:
+    model: int  # the DiT on the device (swapped blocks excluded, two in flight)
+    caches: int  # self- and cross-attention K/V at their largest
+    work: int  # the larger of a chunk's forward and a chunk's VAE decode (they do not overlap)
+
+    @property
+    def peak(self) -> int:
+        return self.model + self.caches + self.work
+
+
+def fast_memory(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int,
+                tile=None) -> FastMemory:  # fmt: skip
+    """Predicted peak VRAM of a Fast run's chunk loop (text encode and first-frame encode come before the
+    model loads and are smaller)."""
+    from ..wan.fast import kv_cache_bytes_for
+    from .planner import decode_vram, expert_vram
+
+    cfg = files.config
+    lat_f, lat_h, lat_w = lat_shape
+    tokens = CHUNK_FRAMES * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
+    model = expert_vram(device_bytes(files.source, quantize), cfg.num_layers, swap)
+    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, tile if isinstance(tile, tuple) else None)
+    work = max(tokens * FAST_CHUNK_PER_TOKEN, decode)
+    return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work)
+
+
+def fast_fit_issue(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int,
+                   free_vram: int | None, tile=None) -> str | None:  # fmt: skip
+    """None when the run fits `free_vram` (None: unknown, e.g. the CPU); else one message with the
+    predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block swap)."""
+    gib = 1 << 30
+    need = fast_memory(files, lat_shape, config, quantize, swap, tile)
+    if free_vram is None or need.peak <= free_vram:
+        return None
+    options = []
+    for window in (21, 15, 12, 9, 6):
+        if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
+            continue
+        trial = replace(config, local_attn_size=window, sink_size=min(3, window - 3))
+        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
+            options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
+            break
+    if config.kv_dtype is None:
+        trial = replace(config, kv_dtype=torch.float8_e4m3fn)
+        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
+            options.append("--kv_dtype fp8")
+    layers = files.config.num_layers
+    if swap < layers and fast_memory(files, lat_shape, config, quantize, layers, tile).peak <= free_vram:
+        need_swap = next(
+            n for n in range(swap, layers + 1)
+            if fast_memory(files, lat_shape, config, quantize, n, tile).peak <= free_vram
+        )  # fmt: skip
+        options.append(f"--swap_blocks {need_swap}")
+    hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"
+    return (
+        f"predicted peak {need.peak / gib:.1f} GiB (model {need.model / gib:.1f}, attention caches "
+        f"{need.caches / gib:.1f}, chunk work {need.work / gib:.1f}) is more than the {free_vram / gib:.1f} GiB "
+        f"free{hint}"
+    )

@@ -262,3 +262,26 @@ def test_ctrl_c_between_chunks_writes_no_mp4(fast_ckpt, shipped_example, tmp_pat
     assert "9 frames were written to" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".*partial*"))
     assert len(list(frames_dir.glob("frame_*.png"))) == 9
+
+
+def test_memory_check_names_what_would_fit(fast_ckpt):
+    """The Fast memory prediction grows with the cache and shrinks with a window, fp8 K/V and block swap;
+    a budget between them gets a message naming the settings that fit, and none when it fits."""
+    from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+    from lingbot_world.wan.fast import FastConfig
+
+    files = resolve_fast_dir(fast_ckpt)
+    shape = (30, 58, 104)  # 464x832, 30 latent frames: the caches dominate
+    full = fast_run.fast_memory(files, shape, FastConfig(), None, 0)
+    window = fast_run.fast_memory(files, shape, FastConfig(local_attn_size=6, sink_size=3), None, 0)
+    fp8 = fast_run.fast_memory(files, shape, FastConfig(kv_dtype=torch.float8_e4m3fn), None, 0)
+    swapped = fast_run.fast_memory(files, shape, FastConfig(), None, files.config.num_layers)
+    assert window.caches < fp8.caches < full.caches
+    assert swapped.model <= full.model and swapped.caches == full.caches
+    assert full.peak == full.model + full.caches + full.work
+    assert fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, full.peak) is None
+    assert fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, None) is None  # CPU: nothing to check
+    issue = fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, full.peak - 1)
+    assert "predicted peak" in issue and "--local_attn_size" in issue and "--kv_dtype fp8" in issue
+    hopeless = fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, 1)
+    assert hopeless.endswith("fewer frames or a smaller --size")

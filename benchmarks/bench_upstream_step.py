@@ -9,7 +9,9 @@ uncond forward under torch.no_grad and bf16 autocast on CUDA (upstream's param_d
 passed as `dit_cond_dict={"c2ws_plucker_emb": (cam,)}` in bf16, the guidance combine; the inputs
 are bench_speed's `Step` tensors (noise, y, context 60 tokens, context_null 120 tokens, cam).
 In the same process, first: our step (bench_speed's `Step` + `run_case`, eager, CFG 5) on the same
-card; our expert is freed before upstream's is built.
+card; our expert is freed before upstream's is built. As a check that upstream's model holds the
+stored weights, the JSON gives the relative L2 difference between upstream's CFG prediction and ours
+(one extra CFG step of ours) for the same weights, inputs and timestep 999.
 
 Upstream's model build: the repack's loader builds a dense fp32 model first (~74 GB of host RAM
 for one A14B expert, minutes of random init; OOM-killed on a 128 GiB machine, see bench_load.py).

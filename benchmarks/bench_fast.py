@@ -125,15 +125,13 @@ def run_ours(model, cfg, lat, device, fast: FastConfig, chunks: int) -> dict:
         session.close()
 
 
-def load_upstream_fast(folder: Path, device):
-    """Upstream's wan/modules/model_fast.py as a module (its package __init__ files bypassed; diffusers
+def load_upstream_module(folder: Path, device, name: str):
+    """Upstream's wan/modules/<name>.py as a module (its package __init__ files bypassed; diffusers
     replaced by the golden script's stand-ins when it is not installed; its flash_attention by an SDPA
     stand-in when no flash_attn package is importable, as its own attention() falls back to SDPA; on the
     CPU, where upstream has no autocast, both by the golden script's fp32 stand-ins)."""
-    if not (folder / "wan" / "modules" / "model_fast.py").is_file():
-        raise SystemExit(
-            f"--upstream {folder}: expected upstream's source tree with wan/modules/model_fast.py"
-        )
+    if not (folder / "wan" / "modules" / f"{name}.py").is_file():
+        raise SystemExit(f"--upstream {folder}: expected upstream's source tree with wan/modules/{name}.py")
     sys.path.insert(0, str(HERE.parent / "tests" / "golden"))
     golden = importlib.import_module("make_golden")
     stubs = {} if importlib.util.find_spec("diffusers") else golden._diffusers()
@@ -143,12 +141,28 @@ def load_upstream_fast(folder: Path, device):
         stubs[pkg] = mod
     sys.modules.update(stubs)
     attn = importlib.import_module("wan.modules.attention")
-    model_fast = importlib.import_module("wan.modules.model_fast")
+    module = importlib.import_module(f"wan.modules.{name}")
     if device.type == "cpu" or not (attn.FLASH_ATTN_2_AVAILABLE or attn.FLASH_ATTN_3_AVAILABLE):
-        model_fast.flash_attention = golden.flash_attention
-    if device.type == "cpu":
-        model_fast.attention = golden.attention
-    return model_fast
+        module.flash_attention = golden.flash_attention
+    if device.type == "cpu" and hasattr(module, "attention"):
+        module.attention = golden.attention
+    return module
+
+
+def load_upstream_fast(folder: Path, device):
+    return load_upstream_module(folder, device, "model_fast")
+
+
+def set_vram_cap(device, gib: float | None) -> float | None:
+    """Limit this process to `gib` GiB of the current CUDA card (None: no limit); returns the cap."""
+    if gib is None:
+        return None
+    if device.type != "cuda":
+        raise SystemExit("--vram-cap-gib needs a CUDA GPU")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
+    return gib
 
 
 @torch.no_grad()
@@ -252,14 +266,7 @@ def main() -> int:
         raise SystemExit(f"--chunks must be >= 1, got {chunks}")
 
     device, cfg, model, load_s = load_random_expert(args.scale, args.workdir)
-    cap = None
-    if args.vram_cap_gib is not None:
-        if device.type != "cuda":
-            raise SystemExit("--vram-cap-gib needs a CUDA GPU")
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * GIB / total), index)
-        cap = args.vram_cap_gib
+    cap = set_vram_cap(device, args.vram_cap_gib)
     h, w = SIZES[args.scale]
     lat = (chunks * CHUNK_FRAMES, h // 8, w // 8)
     summary = {

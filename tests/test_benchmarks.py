@@ -4,6 +4,7 @@ against each other and against what the tiny run must give."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +13,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
+# a folder holding upstream LingBot-World's wan/ package (git archive HEAD wan | tar -x -C DIR)
+UPSTREAM_DIR = os.environ.get("LINGBOT_UPSTREAM_DIR")
 
 pytestmark = pytest.mark.slow  # four CPU runs of whole scripts; CI runs them with -m slow
 
 
-def run_tiny(script: str, tmp_path: Path) -> dict:
+def run_tiny(script: str, tmp_path: Path, *extra: str) -> dict:
     env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--scale", "tiny", "--workdir", str(tmp_path / "w")],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--scale", "tiny", "--workdir", str(tmp_path / "w"),
+         *extra],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -195,3 +199,27 @@ def test_bench_planner(tmp_path):
     # the partial results file holds the same cases, written as they ended
     partial = json.loads((tmp_path / "w" / "bench_planner.json").read_text())
     assert partial["cases"] == s["cases"]
+
+
+def test_bench_upstream_step_ours_alone(tmp_path):
+    s = run_tiny("bench_upstream_step.py", tmp_path)
+    assert s["bench"] == "upstream_step" and s["tokens"] == 12 and s["guide_scale"] == 5.0
+    ours = s["ours"]
+    assert ours["forwards"] == 2 and ours["step_s"] == min(ours["steps_s"]) > 0
+    assert ours["est_70_steps_s"] == pytest.approx(ours["step_s"] * 70, abs=0.05)
+    assert s["upstream"] == {"skipped": "no --upstream"} and "ours_over_upstream" not in s
+
+
+@pytest.mark.skipif(not UPSTREAM_DIR, reason="set LINGBOT_UPSTREAM_DIR to a folder holding upstream's wan/")
+def test_bench_upstream_step(tmp_path):
+    s = run_tiny("bench_upstream_step.py", tmp_path, "--upstream", UPSTREAM_DIR)
+    ours, up = s["ours"], s["upstream"]
+    assert s["device"] == "cpu" and "peak_vram_gib" not in up  # CPU: nothing on a card to report
+    # every Linear of upstream's model is a 4-bit layer rebuilt from the stored NF4 tensors
+    assert up["build"]["linear4bit"] == up["build"]["from_stored_4bit"] > 0
+    assert up["attention"].startswith("SDPA stand-in") and up["autocast"].startswith("none")
+    assert up["forwards"] == ours["forwards"] == 2 and up["step_s"] == min(up["steps_s"]) > 0
+    assert up["est_70_steps_s"] == pytest.approx(up["step_s"] * 70, abs=0.05)
+    assert s["ours_over_upstream"] == pytest.approx(ours["step_s"] / up["step_s"], rel=1e-2)
+    # the same weights and inputs: upstream's CFG prediction is ours up to bf16 compute
+    assert 0 < up["cfg_pred_rel_diff_vs_ours"] < 0.02

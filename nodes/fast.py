@@ -16,9 +16,9 @@ from ..wan.fast import CHUNK_FRAMES, FastSession, fast_frame_num, fast_latent_fr
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
-from .sampler import SIZING, image_to_input
+from .sampler import frame_inputs, image_to_input
 from .text import TEXT, conditioning_to_context
-from .vae import VAE, sampler_vae
+from .vae import sampler_vae
 
 FAST = "LINGBOT_FAST"
 NO_MODEL = "(none found: set ckpt_dir)"
@@ -140,24 +140,7 @@ class LingBotFastSampler:
         return {
             "required": {
                 "model": (FAST, {"tooltip": "From LingBot Fast Loader."}),
-                "vae": (f"{VAE},VAE", {
-                    "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
-                }),
-                "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
-                "sizing": (list(SIZING), {
-                    "default": "max_area",
-                    "tooltip": "max_area: the image's aspect within a pixel budget (upstream's sizing). "
-                    "explicit: width x height below.",
-                }),
-                "max_area": ("STRING", {"default": "480*832", "tooltip": "Pixel budget h*w for max_area sizing."}),
-                "width": ("INT", {
-                    "default": 832, "min": 16, "max": 4096, "step": 16,
-                    "tooltip": "explicit sizing: output width, a multiple of 16.",
-                }),
-                "height": ("INT", {
-                    "default": 480, "min": 16, "max": 4096, "step": 16,
-                    "tooltip": "explicit sizing: output height, a multiple of 16.",
-                }),
+                **frame_inputs(),
                 "length": ("INT", {
                     "default": 81, "min": 9, "max": 1601, "step": 4,
                     "tooltip": "Video frames; rounded down to whole chunks of 3 latent frames (81 -> 81, "

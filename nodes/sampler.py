@@ -43,6 +43,34 @@ def image_to_input(image: torch.Tensor) -> torch.Tensor:
     return first.permute(2, 0, 1).contiguous().sub_(0.5).div_(0.5)
 
 
+def frame_inputs() -> dict:
+    """The first-frame and size widgets both samplers share, in their order on the node."""
+    return {
+        "vae": (f"{VAE},VAE", {
+            "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
+        }),
+        "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
+        "sizing": (list(SIZING), {
+            "default": "max_area",
+            "tooltip": "max_area: upstream's sizing, the image's aspect within a pixel budget, sides "
+            "multiples of 16 (a 480x832 image at 480*832 gives 464x832, as upstream). explicit: "
+            "width x height below.",
+        }),
+        "max_area": ("STRING", {
+            "default": "480*832",
+            "tooltip": "Pixel budget h*w for max_area sizing, e.g. 480*832 or 720*1280.",
+        }),
+        "width": ("INT", {
+            "default": 832, "min": 16, "max": 4096, "step": 16,
+            "tooltip": "explicit sizing: output width, a multiple of 16.",
+        }),
+        "height": ("INT", {
+            "default": 480, "min": 16, "max": 4096, "step": 16,
+            "tooltip": "explicit sizing: output height, a multiple of 16.",
+        }),
+    }  # fmt: skip
+
+
 class LingBotSampler:
     DESCRIPTION = (
         "LingBot-World image-to-video sampling: upstream's dual-expert flow-matching loop with CFG. The "
@@ -59,28 +87,7 @@ class LingBotSampler:
         return {
             "required": {
                 "experts": (EXPERTS, {"tooltip": "From LingBot Experts Loader."}),
-                "vae": (f"{VAE},VAE", {
-                    "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
-                }),
-                "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
-                "sizing": (list(SIZING), {
-                    "default": "max_area",
-                    "tooltip": "max_area: upstream's sizing, the image's aspect within a pixel budget, sides "
-                    "multiples of 16 (a 480x832 image at 480*832 gives 464x832, as upstream). explicit: "
-                    "width x height below.",
-                }),
-                "max_area": ("STRING", {
-                    "default": "480*832",
-                    "tooltip": "Pixel budget h*w for max_area sizing, e.g. 480*832 or 720*1280.",
-                }),
-                "width": ("INT", {
-                    "default": 832, "min": 16, "max": 4096, "step": 16,
-                    "tooltip": "explicit sizing: output width, a multiple of 16.",
-                }),
-                "height": ("INT", {
-                    "default": 480, "min": 16, "max": 4096, "step": 16,
-                    "tooltip": "explicit sizing: output height, a multiple of 16.",
-                }),
+                **frame_inputs(),
                 "frame_num": ("INT", {
                     "default": DEFAULTS.frame_num, "min": 1, "max": 1601, "step": 4,
                     "tooltip": "Frames to generate, 4n+1 (81 = 5 s at 16 fps). A pose file with fewer "

@@ -100,7 +100,11 @@ def rope_freqs(head_dim: int) -> torch.Tensor:
 
 
 def rope_apply(
-    x: torch.Tensor, grid: tuple, freqs: torch.Tensor, out_dtype=torch.float32, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    grid: tuple,
+    freqs: torch.Tensor,
+    out_dtype=torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary embedding over (frame, height, width) in float64, as upstream, rounded to fp32 and then
     to `out_dtype` (upstream rounds to fp32 here and to bf16 inside its attention call).
@@ -122,7 +126,9 @@ def rope_apply(
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != out_dtype:
-        raise ValueError(f"rope_apply out: expected {list(x.shape)} {out_dtype}, got {list(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"rope_apply out: expected {list(x.shape)} {out_dtype}, got {list(out.shape)} {out.dtype}"
+        )
     for s in range(0, seq_len, ROPE_CHUNK):
         e = min(s + ROPE_CHUNK, seq_len)
         xc = torch.view_as_complex(x[s:e].to(torch.float64).reshape(e - s, n, -1, 2))

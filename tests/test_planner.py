@@ -95,6 +95,9 @@ def test_plan_subcommand_prints_table(demo_ckpt, capsys):
     for phase in mp.PHASES:
         assert phase in out
     assert "9 frames at 112x48" in out and "peak VRAM" in out
+    assert "lean" not in out  # 'auto' with nothing to fit: the normal blocks
+    assert cli.main(["plan", *generate_argv(demo_ckpt, "--lean_activations", "on")]) == 0
+    assert "swap_blocks 0, VAE tile none (whole frame), lean activations" in capsys.readouterr().out
 
 
 def test_generate_refuses_when_plan_does_not_fit(demo_ckpt, tmp_path, monkeypatch, capsys):
@@ -168,7 +171,6 @@ def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     """`swap_blocks auto` with a memory check: the Plan carries the planner's choice, which fits."""
     from lingbot_world.loaders.request import plan_request
     from lingbot_world.wan.config import SampleConfig
-
     from lingbot_world.wan.speed import SpeedOptions
 
     request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu")
@@ -181,7 +183,9 @@ def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     assert plan.swap_blocks == plan.memory.swap_blocks and plan.memory.peak_vram <= 12 * GIB
     assert plan.speed.lean_activations is False and not plan.memory.lean_activations
     # lean activations 'auto' (the default) come before swapping: lean blocks and fewer swapped ones
-    lean = plan_request((480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto")
+    lean = plan_request(
+        (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto"
+    )
     assert lean.speed.lean_activations is True and lean.memory.lean_activations
     assert lean.swap_blocks < plan.swap_blocks and lean.memory.peak_vram <= 12 * GIB
     roomy = plan_request((480, 832), A14B, SampleConfig(), max_area=480 * 832, swap_blocks="auto",

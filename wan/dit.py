@@ -9,7 +9,9 @@ dtype flow is written out explicitly (every Linear runs in `compute_dtype`, the 
 residual stream, time embedding and head in fp32), so CPU and GPU take one code path and
 bitsandbytes 4-bit layers slot in unchanged. Memory-saving departures that keep every value equal:
 the time embedding is computed once per timestep and broadcast over tokens instead of per token,
-and RoPE is applied in token chunks.
+and RoPE is applied in token chunks. Opt-in (`WanModel.lean_activations`): blocks run token chunk by
+chunk, updating the residual in place (`WanAttentionBlock.forward_lean`); values equal up to GEMM
+row blocking.
 """
 
 import math

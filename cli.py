@@ -153,6 +153,12 @@ def add_generate_args(p: argparse.ArgumentParser):
         "--compile", action="store_true", help="torch.compile the DiT blocks (one graph for all)"
     )
     speed.add_argument(
+        "--lean_activations", choices=["on", "off", "auto"], default="auto",
+        help="run each DiT block in token chunks, keeping only the full-length tensors (about 14 instead of "
+        "35 vectors per token of activation memory; equal up to GEMM rounding). 'auto': on only when the "
+        "planner says the run would not fit otherwise, before any block swap; not with --compile",
+    )  # fmt: skip
+    speed.add_argument(
         "--cache", choices=["none", "easycache"], default="none",
         help="training-free step cache (EasyCache): reuses the transformer's output on steps where it "
         "changes little; trades quality for speed",
@@ -247,12 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LEAN_CHOICES = {"on": True, "off": False, "auto": "auto"}
+
+
 def speed_options(args) -> SpeedOptions:
     thresholds = args.cache_threshold
     return SpeedOptions(
         attention=args.attention, compile=args.compile, cache=None if args.cache == "none" else args.cache,
         cache_threshold=thresholds[0] if len(thresholds) == 1 else (thresholds[0], thresholds[-1]),
         cache_keep_first=args.cache_keep_first, cache_keep_last=args.cache_keep_last,
+        lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
     )  # fmt: skip
 
 
@@ -268,7 +278,7 @@ FLAGS = {
     "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
     "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
     "attention": "--attention", "memory": "not enough memory", "swap_blocks": "--swap_blocks",
-    "lora_merge": "--lora_merge", "ulysses_size": "--ulysses_size",
+    "lora_merge": "--lora_merge", "ulysses_size": "--ulysses_size", "lean_activations": "--lean_activations",
 }  # fmt: skip
 
 

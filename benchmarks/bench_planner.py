@@ -14,6 +14,13 @@ The grid runs cheapest first and each finished case is written to --out at once,
 keeps what it measured. The last case, 720p x 161 frames fully swapped, says whether that clip's denoise
 fits a 24 GiB card.
 
+--lean adds the lean-activation cases (`wan.dit.WanAttentionBlock.forward_lean`, planned with
+`loaders.planner.lean_activation_vram`): 480p x 81 all resident, 720p x 81 and 720p x 161 fully swapped,
+and says whether the last two fit 12 GiB and 24 GiB cards. With --cases, any case of either grid:
+
+    python benchmarks/bench_planner.py --scale full --lean --skip-vae --cases 480p_81 480p_81_lean \
+        720p_81_swap_all 720p_81_swap_all_lean 720p_161_swap_all 720p_161_swap_all_lean
+
     python benchmarks/bench_planner.py --scale full --workdir /tmp/bench_speed     # CUDA, ~5 min
     python benchmarks/bench_planner.py --scale tiny                                # CPU, seconds
 
@@ -47,22 +54,28 @@ from lingbot_world.wan.speed import SpeedOptions, SpeedStats  # noqa: E402
 
 GIB = 1 << 30
 CARD_24 = 24 * GIB
+CARD_12 = 12 * GIB
 # name -> (pixel size (h, w) per scale, frames per scale)
 SIZES = {"480p": {"full": (480, 832), "tiny": (32, 48)}, "720p": {"full": (720, 1280), "tiny": (48, 64)}}
 FRAMES = {81: {"full": 81, "tiny": 5}, 161: {"full": 161, "tiny": 9}}
 VAE_CONFIG = {"full": V.WAN21_VAE_CONFIG, "tiny": dict(V.WAN21_VAE_CONFIG, dim=4)}
-# (case, phase, size, frames, swapped share of the blocks, guide scale), cheapest first
+# (case, phase, size, frames, swapped share of the blocks, guide scale, lean activations), cheapest first
 GRID = (
-    ("480p_81_guide1", "denoise", "480p", 81, 0.0, 1.0),
-    ("480p_81", "denoise", "480p", 81, 0.0, 5.0),
-    ("480p_81_swap_half", "denoise", "480p", 81, 0.5, 5.0),
-    ("encode_480p_81", "vae_encode", "480p", 81, 0.0, 5.0),
-    ("480p_161", "denoise", "480p", 161, 0.0, 5.0),
-    ("encode_720p_81", "vae_encode", "720p", 81, 0.0, 5.0),
-    ("decode_480p_81", "vae_decode", "480p", 81, 0.0, 5.0),
-    ("720p_81", "denoise", "720p", 81, 0.0, 5.0),
-    ("720p_81_swap_all", "denoise", "720p", 81, 1.0, 5.0),
-    ("720p_161_swap_all", "denoise", "720p", 161, 1.0, 5.0),
+    ("480p_81_guide1", "denoise", "480p", 81, 0.0, 1.0, False),
+    ("480p_81", "denoise", "480p", 81, 0.0, 5.0, False),
+    ("480p_81_swap_half", "denoise", "480p", 81, 0.5, 5.0, False),
+    ("encode_480p_81", "vae_encode", "480p", 81, 0.0, 5.0, False),
+    ("480p_161", "denoise", "480p", 161, 0.0, 5.0, False),
+    ("encode_720p_81", "vae_encode", "720p", 81, 0.0, 5.0, False),
+    ("decode_480p_81", "vae_decode", "480p", 81, 0.0, 5.0, False),
+    ("720p_81", "denoise", "720p", 81, 0.0, 5.0, False),
+    ("720p_81_swap_all", "denoise", "720p", 81, 1.0, 5.0, False),
+    ("720p_161_swap_all", "denoise", "720p", 161, 1.0, 5.0, False),
+)
+LEAN_GRID = (  # with --lean
+    ("480p_81_lean", "denoise", "480p", 81, 0.0, 5.0, True),
+    ("720p_81_swap_all_lean", "denoise", "720p", 81, 1.0, 5.0, True),
+    ("720p_161_swap_all_lean", "denoise", "720p", 161, 1.0, 5.0, True),
 )
 
 
@@ -75,12 +88,16 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def plan_for(cfg, hw, frames, nbytes: int, swap: int):
+def plan_for(cfg, hw, frames, nbytes: int, swap: int, lean: bool = False):
     """The planner's MemoryPlan for this case: the expert's stored bytes for both experts, text on the
     CPU (the benchmark encodes none), untiled VAE (as the cases run it), no budget (nothing 'auto')."""
     size = i2v.latent_size(*hw, hw[0] * hw[1])
     request = memplan.MemoryRequest(
-        {"high": nbytes, "low": nbytes}, swap_blocks=swap, vae_tile=None, t5_device="cpu"
+        {"high": nbytes, "low": nbytes},
+        swap_blocks=swap,
+        vae_tile=None,
+        t5_device="cpu",
+        lean_activations=lean,
     )
     return memplan.Planner(cfg, size, frames, request, hw, hw[0] * hw[1]).plan(None)
 
@@ -108,22 +125,23 @@ def measure(device, fn) -> dict:
 
 
 def run_case(case, model, cfg, vae, device, scale, nbytes, expert_resident) -> dict:
-    name, phase, size_name, frames_key, share, guide = case
+    name, phase, size_name, frames_key, share, guide, lean = case
     h, w = SIZES[size_name][scale]
     frames = FRAMES[frames_key][scale]
     size = i2v.latent_size(h, w, h * w)
     lat_h, lat_w, ph, pw = size
     swap = round(share * cfg.num_layers)
-    plan = plan_for(cfg, (h, w), frames, nbytes, swap)
+    plan = plan_for(cfg, (h, w), frames, nbytes, swap, lean)
     out = {"case": name, "phase": phase, "size": [ph, pw], "frames": frames, "tokens": plan.tokens}
-    out.update(swap_blocks=swap, guide=guide)
+    out.update(swap_blocks=swap, guide=guide, lean_activations=lean)
     predicted = plan.phase("denoise_high" if phase == "denoise" else phase).vram
     swapper = None
     try:
         if phase == "denoise":
             step = Step(model, cfg, device, (ph, pw, frames, min(60, cfg.text_len), min(120, cfg.text_len)))
             swapper = BlockSwapper(model, swap) if swap else None
-            res = measure(device, lambda: step(SpeedOptions(), guide, SpeedStats()))
+            options = SpeedOptions(lean_activations=lean)
+            res = measure(device, lambda: step(options, guide, SpeedStats()))
             held = 0  # everything a real run holds then is here: the expert, the VAE, the inputs
             del step
         elif phase == "vae_encode":
@@ -172,10 +190,17 @@ def main() -> int:
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
     ap.add_argument("--workdir", type=Path, default=None, help="where the random expert is written")
     ap.add_argument("--out", type=Path, default=None, help="partial results, rewritten after each case")
-    ap.add_argument("--cases", nargs="*", default=None, help=f"a subset of {[c[0] for c in GRID]}")
+    ap.add_argument(
+        "--cases", nargs="*", default=None, help=f"a subset of {[c[0] for c in GRID + LEAN_GRID]}"
+    )
     ap.add_argument("--skip-vae", action="store_true", help="leave out the VAE encode/decode cases")
+    ap.add_argument(
+        "--lean", action="store_true", help=f"add the lean-activation cases {[c[0] for c in LEAN_GRID]}"
+    )
     args = ap.parse_args()
-    known = {c[0] for c in GRID}
+    lean_names = {c[0] for c in LEAN_GRID}
+    grid = GRID + (LEAN_GRID if args.lean or lean_names & set(args.cases or ()) else ())
+    known = {c[0] for c in GRID} | lean_names
     unknown = sorted(set(args.cases or ()) - known)
     if unknown:
         ap.error(f"--cases: unknown {unknown}; choose from {sorted(known)}")
@@ -199,7 +224,7 @@ def main() -> int:
             "expert_resident_gib": gib(expert_resident) if cuda else None,
             "cases": [],
         }
-        for case in GRID:
+        for case in grid:
             if (args.cases is not None and case[0] not in args.cases) or (
                 args.skip_vae and case[1] != "denoise"
             ):
@@ -226,6 +251,15 @@ def main() -> int:
                 else last["reserved_gib"] * GIB <= CARD_24,
                 "oom": "oom" in last,
             }
+        for case_name, card in (("720p_81_swap_all_lean", CARD_12), ("720p_161_swap_all_lean", CARD_24)):
+            c = next((c for c in summary["cases"] if c["case"] == case_name), None)
+            if c is not None:
+                summary[f"{case_name}_on_{card // GIB}gib"] = {
+                    "predicted_fits": c["predicted_gib"] is not None and c["predicted_bytes"] <= card,
+                    "measured_fits": None if "measured_gib" not in c else c["measured_gib"] * GIB <= card,
+                    "reserved_fits": None if "reserved_gib" not in c else c["reserved_gib"] * GIB <= card,
+                    "oom": "oom" in c,
+                }
         out_path.write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary))
     return 0

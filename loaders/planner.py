@@ -16,6 +16,9 @@ two random NF4 A14B experts, text encoded in a child process):
   Under sequence parallel (`ulysses_size` N) each rank holds the whole expert but the per-token terms
   of only L/N tokens, plus the all-to-all buffers and the tokens embedded before the split (see
   `activation_vram`); rank 0 alone encodes the text and runs the VAE, so its figures are the largest.
+  With lean activations (`wan.dit.WanAttentionBlock.forward_lean`) the per-token term counts only the
+  tensors that stay full length, plus one chunk's temporaries (see `lean_activation_vram`); 'auto' turns
+  it on only when the normal forward would not fit, before any swap.
 - vae_decode: the VAE, the fp32 output video and a per-latent-pixel cost of the decoder's caches over
   one tile (the whole frame when untiled).
 
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from ..wan import i2v
 from ..wan.config import DiTConfig
-from ..wan.dit import FFN_CHUNK, ROPE_CHUNK
+from ..wan.dit import FFN_CHUNK, LEAN_CHUNK, ROPE_CHUNK
 from ..wan.vae import DEFAULT_OVERLAP, pick_tile, tile_spans
 from .request import RequestError
 
@@ -59,6 +62,16 @@ FRAME_STEP = 4
 # intercept absorbs at the calibration sizes; it is a term of its own in the floor, where few tokens (a
 # sequence-parallel rank's share) leave the fitted line below what one block really holds.
 ROPE_BYTES = 20
+# Lean activations, bytes per token per model channel of the tensors kept full length (analytic, not yet
+# fitted): the fp32 residual (4), q, k, v in bf16 (3 x 2) and the attention output in bf16 (2): 12, 71,680
+# B/token at dim 5120 with the camera tokens' bf16 (LEAN_CAMERA_BYTES, 2) added. The rest is per chunk of
+# LEAN_CHUNK tokens: while q/k/v are projected, the fp32 modulated norm, the projection's output and the
+# q/k RMS norm's fp32 copies (LEAN_QKV_CHUNK_BYTES, ~16 per channel); in the FFN the fp32 normed input
+# (4 per channel) and the bf16 intermediate and its GELU (FFN_BYTES per ffn channel).
+LEAN_BYTES = 12
+LEAN_CAMERA_BYTES = 2
+LEAN_QKV_CHUNK_BYTES = 16
+LEAN_BASE = 0  # the fit's intercept, once measured (allocator slack, inputs, a dequantized weight)
 
 PHASES = ("text_encode", "vae_encode", "denoise_high", "denoise_low", "vae_decode")
 
@@ -91,6 +104,7 @@ class MemoryRequest:
     t5_device: str = "cuda"
     t5_bytes: int = T5_DEFAULT_BYTES
     compile: bool = False  # guide scale 1 (one forward per step) leaves the peak as it is: not an input
+    lean_activations: bool | str = False  # chunked lean blocks (True), or 'auto': only when needed to fit
     ulysses_size: int = 1  # ranks splitting each forward's tokens (sequence parallel); figures are per rank
 
 
@@ -113,6 +127,43 @@ def expert_vram(nbytes: int, num_layers: int, swap_blocks: int) -> int:
     return nbytes - swap * block + min(swap, 2) * block
 
 
+def _sequence_parallel_extra(act: float, tokens: int, local: int, config: DiTConfig) -> float:
+    # Ulysses (wan.parallel): besides the local tokens' own q/k/v/output (in the per-token term), the
+    # all-to-all gives each rank the full sequence of its H/N heads for q, k and v, and the output goes
+    # back through a padded copy and a receive buffer: four [L_pad, H/N, d] bf16 buffers.
+    act += 4 * local * config.dim * 2
+    if config.control_type is not None:
+        # the camera tokens are embedded for all L tokens and a rank keeps a slice (a view) of them,
+        # so the whole bf16 [L, dim] stays alive through the forward; the per-token term has 1/N of it
+        act += (tokens - local) * config.dim * 2
+    # before the split every rank embeds all L tokens: the bf16 patch tokens, and the camera
+    # embedding's input, hidden, activation and output; with many ranks this can be the peak
+    embed = tokens * config.dim * 2 * (5 if config.control_type is not None else 1)
+    return max(act, embed)
+
+
+def lean_activation_vram(tokens: int, config: DiTConfig, ranks: int = 1) -> int:
+    """Peak working memory of one lean forward pass (`wan.dit.WanAttentionBlock.forward_lean`): the
+    full-length tensors (fp32 residual, bf16 q/k/v, attention output, camera tokens) plus the largest of
+    one chunk's temporaries and the RoPE transient (while q/k/v are alive, before the attention output
+    exists); per sequence-parallel rank as `activation_vram`."""
+    local = -(-tokens // ranks)
+    dim = config.dim
+    per_token = LEAN_BYTES + (LEAN_CAMERA_BYTES if config.control_type is not None else 0)
+    full = local * dim * per_token
+    chunk = min(local, LEAN_CHUNK)
+    qkv_phase = max(chunk * dim * LEAN_QKV_CHUNK_BYTES, min(tokens, ROPE_CHUNK) * (dim // ranks) * ROPE_BYTES)
+    ffn_phase = chunk * (dim * 4 + config.ffn_dim * FFN_BYTES)
+    act = max(
+        full,  # the attention output beside q/k/v
+        full - local * dim * 2 + qkv_phase,  # no attention output yet
+        full - local * dim * 2 * 3 + ffn_phase,  # q/k/v freed
+    )
+    if ranks > 1:
+        act = _sequence_parallel_extra(act, tokens, local, config)
+    return int(LEAN_BASE + act)
+
+
 def activation_vram(tokens: int, config: DiTConfig, compile_: bool = False, ranks: int = 1) -> int:
     """Peak working memory of one forward pass of `tokens` tokens (latents and conditions included), on
     each of `ranks` sequence-parallel ranks."""
@@ -129,18 +180,7 @@ def activation_vram(tokens: int, config: DiTConfig, compile_: bool = False, rank
     if compile_:
         act = max(act - COMPILE_SAVING_PER_TOKEN * scale * local, floor)
     if ranks > 1:
-        # Ulysses (wan.parallel): besides the local tokens' own q/k/v/output (in the per-token term), the
-        # all-to-all gives each rank the full sequence of its H/N heads for q, k and v, and the output goes
-        # back through a padded copy and a receive buffer: four [L_pad, H/N, d] bf16 buffers.
-        act += 4 * local * config.dim * 2
-        if config.control_type is not None:
-            # the camera tokens are embedded for all L tokens and a rank keeps a slice (a view) of them,
-            # so the whole bf16 [L, dim] stays alive through the forward; the per-token term has 1/N of it
-            act += (tokens - local) * config.dim * 2
-        # before the split every rank embeds all L tokens: the bf16 patch tokens, and the camera
-        # embedding's input, hidden, activation and output; with many ranks this can be the peak
-        embed = tokens * config.dim * 2 * (5 if config.control_type is not None else 1)
-        act = max(act, embed)
+        act = _sequence_parallel_extra(act, tokens, local, config)
     return int(act)
 
 
@@ -228,6 +268,7 @@ class MemoryPlan:
     planner: object = field(default=None, compare=False, repr=False)  # the Planner that made it
     encode_tile: object = None  # the first-frame encode's tile (None: whole frame)
     ranks: int = 1  # sequence-parallel ranks: VRAM figures are rank 0's GPU, RAM the host's total
+    lean_activations: bool = False  # the denoise figures are for lean blocks ('auto' resolved)
 
     @property
     def peak_vram(self) -> int:
@@ -250,7 +291,8 @@ class MemoryPlan:
         h, w = self.size[2:]
         lines = [
             f"memory plan: {self.frame_num} frames at {w}x{h} ({self.tokens:,} tokens), "
-            f"swap_blocks {self.swap_blocks}, VAE tile {_tile_text(self.vae_tile)}",
+            f"swap_blocks {self.swap_blocks}, VAE tile {_tile_text(self.vae_tile)}"
+            + (", lean activations" if self.lean_activations else ""),
             f"{'phase':<13} {'peak VRAM':>10} {'peak RAM':>10}",
         ]
         if self.ranks > 1:
@@ -322,8 +364,17 @@ class Planner:
         encode = Phase("vae_encode", int(enc_vram), int(enc_ram), f"tile {_tile_text(enc_tile)}")
 
         ranks = r.ulysses_size
-        act = activation_vram(tokens, cfg, r.compile, ranks)
         lora = r.lora_bytes or {}
+        act = activation_vram(tokens, cfg, r.compile, ranks)
+        lean = r.lean_activations
+        if lean == "auto":  # only when the normal forward does not fit, before any swap
+            lean = (
+                not r.compile
+                and budget is not None
+                and not self._fits_denoise(act, lora, budget, 0 if r.swap_blocks == "auto" else r.swap_blocks)
+            )
+        if lean:
+            act = lean_activation_vram(tokens, cfg, ranks)
         swap = r.swap_blocks
         if swap == "auto":
             swap = self._auto_swap(act, lora, budget)
@@ -336,6 +387,8 @@ class Planner:
             note = f"expert {nbytes / GIB:.2f} GiB" + (f", {swap} blocks in pinned RAM" if swap else "")
             if ranks > 1:
                 note += f", {-(-tokens // ranks):,} tokens per rank"
+            if lean:
+                note += ", lean activations"
             denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + pinned, note))
 
         tile = r.vae_tile
@@ -352,7 +405,16 @@ class Planner:
         return MemoryPlan(
             phases=phases, swap_blocks=int(swap), vae_tile=tile, tokens=tokens, size=self.size,
             frame_num=self.frame_num, planner=self, encode_tile=enc_tile, ranks=ranks,
+            lean_activations=bool(lean),
         )  # fmt: skip
+
+    def _fits_denoise(self, act: int, lora: dict, budget: int, swap) -> bool:
+        n = self.config.num_layers
+        need = max(
+            expert_vram(int(self.request.expert_bytes[e]), n, int(swap)) + int(lora.get(e, 0)) + act
+            for e in ("high", "low")
+        )
+        return need <= budget
 
     def _auto_swap(self, act: int, lora: dict, budget: int | None) -> int:
         """The fewest swapped blocks whose denoise fits `budget` (0 without one; all if none fits)."""
@@ -360,11 +422,7 @@ class Planner:
             return 0
         n = self.config.num_layers
         for swap in range(n + 1):
-            need = max(
-                expert_vram(int(self.request.expert_bytes[e]), n, swap) + int(lora.get(e, 0)) + act
-                for e in ("high", "low")
-            )
-            if need <= budget:
+            if self._fits_denoise(act, lora, budget, swap):
                 return swap
         return n
 
@@ -389,6 +447,12 @@ class Planner:
         if base and fits(planner):
             return [base]
         out = []
+        if self.request.lean_activations is False and not self.request.compile:
+            lean = planner.with_(lean_activations=True)
+            if fits(lean):
+                out.append([*base, ("lean_activations", "on")])
+            elif (swap := lean._fitting_swap(fits)) is not None:
+                out.append([*base, ("lean_activations", "on"), ("swap_blocks", swap)])
         swap = planner._fitting_swap(fits)
         if swap is not None:
             out.append([*base, ("swap_blocks", swap)])

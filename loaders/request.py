@@ -204,7 +204,9 @@ def plan_request(
     `ulysses_size`: ranks of the initialized torch.distributed world that split each forward's tokens (1: one
     device); it must equal the world size and divide the heads. `ulysses_world`: the world size to check it
     against (default: the initialized process group's); `lingbot.py plan` passes `ulysses_size` to plan
-    for ranks it does not start. With `memory`, the memory checked is each rank's (see loaders.planner)."""
+    for ranks it does not start. With `memory`, the memory checked is each rank's (see loaders.planner).
+    `speed.lean_activations` 'auto' is resolved here: True only when `memory` found the normal blocks would
+    not fit the device's free memory (before any 'auto' swap); the Plan's `speed` carries the result."""
     check_settings(settings)
     size = _size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
@@ -240,11 +242,16 @@ def plan_request(
         from .planner import Planner
 
         request = replace(
-            memory.request, compile=bool(speed.compile), swap_blocks=swap_blocks, ulysses_size=ulysses_size
-        )
+            memory.request, compile=bool(speed.compile), swap_blocks=swap_blocks, ulysses_size=ulysses_size,
+            lean_activations=speed.lean_activations,
+        )  # fmt: skip
         memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
         if swap_blocks == "auto" and memory.free_vram is not None:  # the least swapping that fits
             swap_blocks = memory_plan.swap_blocks
+        if speed.lean_activations == "auto":  # on only where the plan needed it (never without a budget)
+            speed = replace(speed, lean_activations=memory_plan.lean_activations)
+    if speed.lean_activations == "auto":  # no memory check: the normal blocks, today's exact results
+        speed = replace(speed, lean_activations=False)
     return Plan(
         size=size, frame_num=frames, settings=settings, config=config, camera=camera,
         loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed, memory=memory_plan,

@@ -25,7 +25,8 @@ WIDGETS = {"sample_steps": "steps", "sample_shift": "shift", "size": "width/heig
 log = logging.getLogger("LingBot-World")
 # Planner settings -> where a ComfyUI user changes them.
 PLAN_NAMES = {"frame_num": "frame_num", "size": "max_area", "swap_blocks": "swap_blocks",
-              "vae_tile": "VAE Decode tiling", "t5_cpu": "text encoder on CPU"}  # fmt: skip
+              "vae_tile": "VAE Decode tiling", "t5_cpu": "text encoder on CPU",
+              "lean_activations": "speed lean_activations"}  # fmt: skip
 
 
 def image_to_input(image: torch.Tensor) -> torch.Tensor:

@@ -40,12 +40,14 @@ def forward(model):
         return model(x, t, context, y=y, cam=cam)
 
 
-def dit_rank(rank, world, port, out_dir):
+def dit_rank(rank, world, port, out_dir, lean=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = tiny_model()
         model.sequence_parallel = SequenceParallel()
+        if lean:  # lean blocks on each rank's 23 local tokens, in chunks of 4 (the last one short)
+            model.lean_activations, model.lean_chunk = True, 4
         torch.save(forward(model), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

@@ -59,10 +59,12 @@ def test_refusal_names_phase_and_fitting_settings():
     e = err.value
     assert e.param == "memory" and e.phase == "denoise_high" and "22." in str(e)
     assert "--swap_blocks" in str(e) and "--frame_num" in str(e) and "--size" in str(e)
+    assert "--lean_activations on" in str(e)  # lean activations were off: turning them on is a fix
     for changes in e.suggestions:  # every suggestion fits by the same model
         kw = dict(changes)
         fixed = p.with_(
             frame_num=kw.get("frame_num"), swap_blocks=kw.get("swap_blocks", 0),
+            lean_activations=kw.get("lean_activations") == "on",
             size=i2v.latent_size(720, 1280, i2v.parse_max_area(kw["size"])) if "size" in kw else None,
         )  # fmt: skip
         assert not fixed.plan(20 * GIB).over(20 * GIB)
@@ -93,6 +95,9 @@ def test_plan_subcommand_prints_table(demo_ckpt, capsys):
     for phase in mp.PHASES:
         assert phase in out
     assert "9 frames at 112x48" in out and "peak VRAM" in out
+    assert "lean" not in out  # 'auto' with nothing to fit: the normal blocks
+    assert cli.main(["plan", *generate_argv(demo_ckpt, "--lean_activations", "on")]) == 0
+    assert "swap_blocks 0, VAE tile none (whole frame), lean activations" in capsys.readouterr().out
 
 
 def test_generate_refuses_when_plan_does_not_fit(demo_ckpt, tmp_path, monkeypatch, capsys):
@@ -166,17 +171,26 @@ def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     """`swap_blocks auto` with a memory check: the Plan carries the planner's choice, which fits."""
     from lingbot_world.loaders.request import plan_request
     from lingbot_world.wan.config import SampleConfig
+    from lingbot_world.wan.speed import SpeedOptions
 
     request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu")
     check = mp.MemoryCheck(request, "cuda", free_vram=12 * GIB)
     plan = plan_request(
-        (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto"
-    )
+        (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto",
+        speed=SpeedOptions(lean_activations=False),
+    )  # fmt: skip
     assert isinstance(plan.swap_blocks, int) and 0 < plan.swap_blocks < 40
     assert plan.swap_blocks == plan.memory.swap_blocks and plan.memory.peak_vram <= 12 * GIB
+    assert plan.speed.lean_activations is False and not plan.memory.lean_activations
+    # lean activations 'auto' (the default) come before swapping: lean blocks and fewer swapped ones
+    lean = plan_request(
+        (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto"
+    )
+    assert lean.speed.lean_activations is True and lean.memory.lean_activations
+    assert lean.swap_blocks < plan.swap_blocks and lean.memory.peak_vram <= 12 * GIB
     roomy = plan_request((480, 832), A14B, SampleConfig(), max_area=480 * 832, swap_blocks="auto",
                          memory=mp.MemoryCheck(request, "cuda", free_vram=40 * GIB))  # fmt: skip
-    assert roomy.swap_blocks == 0
+    assert roomy.swap_blocks == 0 and roomy.speed.lean_activations is False  # fits: today's exact blocks
 
 
 # --- the first-frame encode follows the encode's own tiling --------------------------------------
@@ -282,13 +296,19 @@ def test_plan_request_checks_per_rank_memory():
     request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu", vae_tile="auto")
     check = mp.MemoryCheck(request, "cuda", free_vram=22 * GIB)
 
-    def plan(n):
+    from lingbot_world.wan.speed import SpeedOptions
+
+    def plan(n, lean=False):
         return plan_request((720, 1280), A14B, SampleConfig(), frame_num=161, max_area=720 * 1280,
-                            memory=check, ulysses_size=n, ulysses_world=n)  # fmt: skip
+                            memory=check, ulysses_size=n, ulysses_world=n,
+                            speed=SpeedOptions(lean_activations=lean))  # fmt: skip
 
     with pytest.raises(mp.MemoryPlanError) as err:
         plan(1)
     assert err.value.phase == "denoise_high"
+    one = plan(1, lean="auto")  # lean activations make the one device fit
+    assert one.speed.lean_activations is True and one.memory.peak_vram <= 22 * GIB
+    assert plan(4, lean="auto").speed.lean_activations is False  # four ranks fit without them
     p4 = plan(4)
     assert p4.ulysses_size == 4 and p4.memory.ranks == 4 and p4.memory.peak_vram <= 22 * GIB
     with pytest.raises(mp.MemoryPlanError) as err:  # two ranks still need more than 22 GiB each

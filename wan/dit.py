@@ -9,7 +9,9 @@ dtype flow is written out explicitly (every Linear runs in `compute_dtype`, the 
 residual stream, time embedding and head in fp32), so CPU and GPU take one code path and
 bitsandbytes 4-bit layers slot in unchanged. Memory-saving departures that keep every value equal:
 the time embedding is computed once per timestep and broadcast over tokens instead of per token,
-and RoPE is applied in token chunks.
+and RoPE is applied in token chunks. Opt-in (`WanModel.lean_activations`): blocks run token chunk by
+chunk, updating the residual in place (`WanAttentionBlock.forward_lean`); values equal up to GEMM
+row blocking.
 """
 
 import math
@@ -27,6 +29,10 @@ ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3
 # FFN token chunk: above it the [L, 13824] intermediate is built piecewise (2 GB at 720p). 480p
 # (31,668 tokens) stays one GEMM, as upstream; smaller GEMMs can round differently.
 FFN_CHUNK = 32768
+# Lean activations (WanModel.lean_activations): tokens per chunk of a block's per-token work. Bounds the
+# chunk's temporaries (~80 KB per token at dim 5120: ~0.7 GB) and stays below FFN_CHUNK, so each
+# chunk's FFN is one GEMM.
+LEAN_CHUNK = 8192
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -95,11 +101,18 @@ def rope_freqs(head_dim: int) -> torch.Tensor:
     )
 
 
-def rope_apply(x: torch.Tensor, grid: tuple, freqs: torch.Tensor, out_dtype=torch.float32) -> torch.Tensor:
+def rope_apply(
+    x: torch.Tensor,
+    grid: tuple,
+    freqs: torch.Tensor,
+    out_dtype=torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rotary embedding over (frame, height, width) in float64, as upstream, rounded to fp32 and then
     to `out_dtype` (upstream rounds to fp32 here and to bf16 inside its attention call).
 
-    x: [L, heads, head_dim] with L = f*h*w.
+    x: [L, heads, head_dim] with L = f*h*w. `out`: where to write the result (default: a new tensor);
+    `out=x` rotates in place (each chunk is read whole before it is written), if x has `out_dtype`.
     """
     seq_len, n, c = x.shape[0], x.shape[1], x.shape[2] // 2
     f, h, w = grid
@@ -112,7 +125,12 @@ def rope_apply(x: torch.Tensor, grid: tuple, freqs: torch.Tensor, out_dtype=torc
         ],
         dim=-1,
     ).reshape(seq_len, 1, -1)
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != out_dtype:
+        raise ValueError(
+            f"rope_apply out: expected {list(x.shape)} {out_dtype}, got {list(out.shape)} {out.dtype}"
+        )
     for s in range(0, seq_len, ROPE_CHUNK):
         e = min(s + ROPE_CHUNK, seq_len)
         xc = torch.view_as_complex(x[s:e].to(torch.float64).reshape(e - s, n, -1, 2))
@@ -191,6 +209,21 @@ class WanCrossAttention(WanSelfAttention):
         out = attention(q, k, v, dtype).to(q.dtype)
         return linear(self.o, out.flatten(1), dtype)
 
+    def context_kv(self, context, dtype):
+        """The text's keys and values [text_len, heads, d], as `forward` computes them (lean blocks
+        compute them once and attend chunk by chunk)."""
+        n, d = self.num_heads, self.head_dim
+        k = self.norm_k(linear(self.k, context, dtype)).view(-1, n, d)
+        v = linear(self.v, context, dtype).view(-1, n, d)
+        return k, v
+
+    def attend(self, x, k, v, dtype):
+        """`forward` for queries `x` against keys and values from `context_kv`."""
+        n, d = self.num_heads, self.head_dim
+        q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
+        out = attention(q, k, v, dtype).to(q.dtype)
+        return linear(self.o, out.flatten(1), dtype)
+
 
 class WanAttentionBlock(nn.Module):
     def __init__(self, dim, ffn_dim, num_heads, qk_norm, cross_attn_norm, eps, camera: bool):
@@ -224,6 +257,60 @@ class WanAttentionBlock(nn.Module):
         x = x + self.cross_attn(self.norm3(x), context, dtype)
         h = self.norm2(x).float() * (1 + e[4]) + e[3]
         return x + self.feed_forward(h, dtype) * e[5]
+
+    def forward_lean(self, x, e0, grid, freqs, context, cam, dtype, chunk: int = LEAN_CHUNK):
+        """`forward` with only the full-length tensors alive: the fp32 residual (updated in place, and
+        returned; block 0 makes its fp32 copy), the camera tokens, q/k/v and the attention output, plus
+        one `chunk` of tokens' temporaries. Same formulas and dtypes as `forward`, token by token, so the
+        values equal it up to how GEMMs block rows (the chunks are smaller GEMMs).
+
+        1. per chunk: norm1 + modulation, the q/k/v projections (and q/k norms) into full buffers;
+        2. RoPE in place, then attention over the whole sequence (sequence parallel: over the local
+           slices, as `WanSelfAttention`);
+        3. per chunk: the o-projection into x, the camera injection, cross-attention against the text
+           keys/values (computed once per block), norm2 + FFN, each updating the chunk of x in place.
+        """
+        e = (self.modulation.float() + e0)[0].unbind(0)
+        attn, cross = self.self_attn, self.cross_attn
+        n, d = attn.num_heads, attn.head_dim
+        length = x.shape[0]
+        spans = [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+        q, k, v = (torch.empty(length, n, d, dtype=dtype, device=x.device) for _ in range(3))
+        for s, t in spans:
+            h = self.norm1(x[s:t]).float() * (1 + e[1]) + e[0]
+            q[s:t] = attn.norm_q(linear(attn.q, h, dtype)).view(-1, n, d)
+            k[s:t] = attn.norm_k(linear(attn.k, h, dtype)).view(-1, n, d)
+            v[s:t] = linear(attn.v, h, dtype).view(-1, n, d)
+            del h
+
+        def core(q, k, v):  # in place: the pre-RoPE q and k are not kept beside the rotated ones
+            rope_apply(q, grid, freqs, dtype, out=q)
+            rope_apply(k, grid, freqs, dtype, out=k)
+            return attention(q, k, v, dtype)
+
+        sp = parallel.current()
+        out = core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
+        del q, k, v
+        if x.dtype != torch.float32 or not x.is_contiguous():  # block 0: the residual becomes fp32 here
+            x = x.to(torch.float32, memory_format=torch.contiguous_format)
+        text_k, text_v = cross.context_kv(context, dtype)
+        for s, t in spans:
+            xc = x[s:t]
+            xc.add_(linear(attn.o, out[s:t].flatten(1), dtype) * e[2])
+            if cam is not None:
+                c = cam[s:t]
+                h = linear(self.cam_injector_layer1, c, dtype)
+                h = linear(self.cam_injector_layer2, F.silu(h), dtype) + c
+                scale = linear(self.cam_scale_layer, h, dtype)
+                shift = linear(self.cam_shift_layer, h, dtype)
+                del h
+                xc.mul_(1.0 + scale).add_(shift)
+                del scale, shift
+            xc.add_(cross.attend(self.norm3(xc), text_k, text_v, dtype))
+            h = self.norm2(xc).float() * (1 + e[4]) + e[3]
+            xc.add_(self.feed_forward(h, dtype) * e[5])
+            del h
+        return x
 
     def feed_forward(self, h: torch.Tensor, dtype) -> torch.Tensor:
         def ffn(part):
@@ -324,6 +411,10 @@ class WanModel(nn.Module):
         self.block_swap = None
         # None, or a wan.parallel.SequenceParallel: this rank runs its slice of the video tokens.
         self.sequence_parallel = None
+        # True: blocks run `WanAttentionBlock.forward_lean` in chunks of `lean_chunk` tokens and the head
+        # runs chunk by chunk (less activation memory; not with a compiled block_runner).
+        self.lean_activations = False
+        self.lean_chunk = LEAN_CHUNK
 
     @classmethod
     def from_config(cls, config: DiTConfig) -> "WanModel":
@@ -395,6 +486,14 @@ class WanModel(nn.Module):
             )
         freqs = self._rope(x.device)
         run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
+        lean = self.lean_activations
+        if lean and run is not None:
+            raise ValueError(
+                "lean_activations: the lean blocks do not run compiled; turn off compile or lean_activations"
+            )
+        chunk = self.lean_chunk
+        if lean and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"lean_chunk: expected an integer >= 1 (tokens per chunk), got {chunk!r}")
         if sp is not None:
             x = sp.split(x)
             cam_tokens = None if cam_tokens is None else sp.split(cam_tokens)
@@ -403,7 +502,9 @@ class WanModel(nn.Module):
                 for i, block in enumerate(self.blocks):
                     if swap is not None:
                         swap.before(i)
-                    if run is None:
+                    if lean:
+                        x = block.forward_lean(x, e0, grid, freqs, context, cam_tokens, dtype, chunk)
+                    elif run is None:
                         x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
                     else:
                         x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
@@ -412,12 +513,24 @@ class WanModel(nn.Module):
             finally:
                 if swap is not None:
                     swap.finish()  # an error or interrupt mid-forward leaves no swapped block on the device
-        x = self.head(x, e)
+        if lean:
+            cam_tokens = None  # its last use was the last block: not held through the head
+            x = self.head_lean(x, e, chunk)
+        else:
+            x = self.head(x, e)
         if sp is not None:  # the head is per token: gather its small output, not the [L, dim] stream
             x = sp.gather(x, math.prod(grid))
         # Upstream unpatchifies inside its bf16 autocast region, where einsum casts the fp32 head
         # output to bf16: the prediction is bf16-rounded before the final .float().
         return self.unpatchify(x.to(dtype), grid)
+
+    def head_lean(self, x: torch.Tensor, e: torch.Tensor, chunk: int) -> torch.Tensor:
+        """`self.head(x, e)` chunk by chunk into one [L, out] fp32 tensor (its norm and modulation
+        temporaries are per chunk)."""
+        out = torch.empty(x.shape[0], self.head.head.out_features, dtype=torch.float32, device=x.device)
+        for s in range(0, x.shape[0], chunk):
+            out[s : s + chunk] = self.head(x[s : s + chunk], e)
+        return out
 
     def unpatchify(self, x: torch.Tensor, grid: tuple) -> torch.Tensor:
         c = self.out_dim

@@ -65,7 +65,7 @@ def denoise(
     """The dual-expert CFG sampling loop. Returns the final latent [16, lat_f, lat_h, lat_w] (fp32).
 
     `speed` (default: everything off, today's exact results) picks the attention backend, compiled
-    blocks and the step cache; `stats`, when given, is filled with the forwards run and skipped.
+    blocks, lean activations and the step cache; `stats`, when given, is filled with the forwards run and skipped.
     A step whose guide scale is 1 runs the cond forward only: its prediction is exactly cond.
     """
     hooks = hooks or Hooks()
@@ -90,6 +90,9 @@ def denoise(
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
                 prepare_model(model, runner)
+                if speed.lean:  # the expert leaves this loop with its normal blocks
+                    model.lean_activations = True
+                    stack.callback(setattr, model, "lean_activations", False)
                 if parallel is not None:  # the expert leaves this loop whole again
                     model.sequence_parallel = parallel
                     stack.callback(setattr, model, "sequence_parallel", None)

@@ -7,7 +7,13 @@
   back to eager with one log line when the compiler toolchain is missing or fails;
 - ``cache``: None or 'easycache' (`wan.step_cache`), with ``cache_threshold`` (a number or a
   (low-noise, high-noise) pair, like guide_scale) and ``cache_keep_first``/``cache_keep_last``
-  (steps always computed at each end of each expert's stretch).
+  (steps always computed at each end of each expert's stretch);
+- ``lean_activations``: True runs each DiT block chunk by chunk with only the full-length tensors alive
+  (`wan.dit.WanAttentionBlock.forward_lean`: ~14 instead of ~35 [dim] vectors per token); values equal
+  the normal path up to GEMM row blocking. 'auto' (the default) is decided by the run planner
+  (`loaders.request.plan_request`): on only when the run would not fit otherwise, before any block
+  swap; an 'auto' no planner resolved runs as off. Not with ``compile`` (refused when both are on;
+  'auto' never picks it under compile).
 Guide scale 1 always runs one forward per step (the cond prediction, exactly); no option needed.
 """
 
@@ -33,6 +39,7 @@ class SpeedOptions:
     cache_threshold: float | tuple = 0.05
     cache_keep_first: int = 7
     cache_keep_last: int = 1
+    lean_activations: bool | str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.attention, str):
@@ -49,10 +56,21 @@ class SpeedOptions:
             raise ValueError(
                 f"cache_threshold must be a number >= 0 or a (low, high) pair of them, got {self.cache_threshold!r}"
             )
+        if not (isinstance(self.lean_activations, bool) or self.lean_activations == "auto"):
+            raise ValueError(f"lean_activations must be True, False or 'auto', got {self.lean_activations!r}")
+        if self.compile and self.lean_activations is True:
+            raise ValueError(
+                "lean_activations: the lean blocks do not run compiled; turn off compile or lean_activations"
+            )
         for name in ("cache_keep_first", "cache_keep_last"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+
+    @property
+    def lean(self) -> bool:
+        """Whether the blocks run lean ('auto' that no planner resolved runs as off)."""
+        return self.lean_activations is True
 
     def threshold_for(self, which: str) -> float:
         """The cache threshold of expert 'high' or 'low'."""

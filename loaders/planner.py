@@ -62,8 +62,8 @@ FRAME_STEP = 4
 # intercept absorbs at the calibration sizes; it is a term of its own in the floor, where few tokens (a
 # sequence-parallel rank's share) leave the fitted line below what one block really holds.
 ROPE_BYTES = 20
-# Lean activations, bytes per token per model channel of the tensors kept full length (analytic, not yet
-# fitted): the fp32 residual (4), q, k, v in bf16 (3 x 2) and the attention output in bf16 (2): 12, 71,680
+# Lean activations, bytes per token per model channel of the tensors kept full length (analytic): the fp32
+# residual (4), q, k, v in bf16 (3 x 2) and the attention output in bf16 (2): 12, 71,680
 # B/token at dim 5120 with the camera tokens' bf16 (LEAN_CAMERA_BYTES, 2) added. The rest is per chunk of
 # LEAN_CHUNK tokens: while q/k/v are projected, the fp32 modulated norm, the projection's output and the
 # q/k RMS norm's fp32 copies (LEAN_QKV_CHUNK_BYTES, ~16 per channel); in the FFN the fp32 normed input
@@ -71,7 +71,11 @@ ROPE_BYTES = 20
 LEAN_BYTES = 12
 LEAN_CAMERA_BYTES = 2
 LEAN_QKV_CHUNK_BYTES = 16
-LEAN_BASE = 0  # the fit's intercept, once measured (allocator slack, inputs, a dequantized weight)
+# Fitted on an H200 (bench_planner --lean, one CFG step, 720p x 81 and x 161 fully swapped): measured peaks
+# sit above the analytic terms by 0.81 GiB + 5,966 B/token (allocator slack, the inputs, a dequantized
+# weight, attention's per-token statistics); with them 480p x 81 all resident is predicted +1.7 % high.
+LEAN_BASE = int(0.814 * GIB)
+LEAN_FIT_PER_TOKEN = 5_966  # at dim 5120
 
 PHASES = ("text_encode", "vae_encode", "denoise_high", "denoise_low", "vae_decode")
 
@@ -159,6 +163,7 @@ def lean_activation_vram(tokens: int, config: DiTConfig, ranks: int = 1) -> int:
         full - local * dim * 2 + qkv_phase,  # no attention output yet
         full - local * dim * 2 * 3 + ffn_phase,  # q/k/v freed
     )
+    act += local * LEAN_FIT_PER_TOKEN * dim // 5120
     if ranks > 1:
         act = _sequence_parallel_extra(act, tokens, local, config)
     return int(LEAN_BASE + act)

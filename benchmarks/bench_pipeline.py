@@ -14,6 +14,7 @@ Prints one JSON line at the end.
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,6 +88,8 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more `generate` arguments, e.g. '--cache easycache'")
     args = ap.parse_args()
 
+    # what `lingbot.py generate` sets before CUDA's first allocation; the cap below would come first here
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     cuda = torch.cuda.is_available()
     if args.scale == "full":
         if not cuda:

@@ -76,6 +76,9 @@ LEAN_QKV_CHUNK_BYTES = 16
 # weight, attention's per-token statistics); with them 480p x 81 all resident is predicted +1.7 % high.
 LEAN_BASE = int(0.814 * GIB)
 LEAN_FIT_PER_TOKEN = 5_966  # at dim 5120
+# 'auto' swap and lean keep this share of the budget free: a plan packed to 11.92 of 12 GiB (720p x 81, lean)
+# still ran out on the H200, where the allocator's reserve sits above the allocated bytes it predicts.
+AUTO_HEADROOM = 0.06
 
 PHASES = ("text_encode", "vae_encode", "denoise_high", "denoise_low", "vae_decode")
 
@@ -372,17 +375,20 @@ class Planner:
         lora = r.lora_bytes or {}
         act = activation_vram(tokens, cfg, r.compile, ranks)
         lean = r.lean_activations
+        auto_budget = None if budget is None else int(budget * (1 - AUTO_HEADROOM))
         if lean == "auto":  # only when the normal forward does not fit, before any swap
             lean = (
                 not r.compile
-                and budget is not None
-                and not self._fits_denoise(act, lora, budget, 0 if r.swap_blocks == "auto" else r.swap_blocks)
+                and auto_budget is not None
+                and not self._fits_denoise(
+                    act, lora, auto_budget, 0 if r.swap_blocks == "auto" else r.swap_blocks
+                )
             )
         if lean:
             act = lean_activation_vram(tokens, cfg, ranks)
         swap = r.swap_blocks
         if swap == "auto":
-            swap = self._auto_swap(act, lora, budget)
+            swap = self._auto_swap(act, lora, auto_budget)
         denoise = []
         for name in ("high", "low"):
             nbytes = int(r.expert_bytes[name])

@@ -220,7 +220,8 @@ def planner(h, w, frames, **kw):
     return memplan.Planner(A14B, size, frames, request, (h, w), h * w)
 
 
-def test_auto_picks_lean_only_when_the_normal_forward_does_not_fit():
+def test_auto_picks_lean_only_when_the_normal_forward_does_not_fit(monkeypatch):
+    monkeypatch.setattr(memplan, "AUTO_HEADROOM", 0.0)  # the decision order; the headroom is tested below
     p = planner(480, 832, 81, lean_activations="auto")
     normal = planner(480, 832, 81).plan(None).phase("denoise_high").vram
     lean = planner(480, 832, 81, lean_activations=True).plan(None).phase("denoise_high").vram
@@ -238,6 +239,17 @@ def test_auto_picks_lean_only_when_the_normal_forward_does_not_fit():
     compiled = planner(480, 832, 81, lean_activations="auto", swap_blocks="auto", compile=True)
     tight = compiled.plan(None).phase("denoise_high").vram - 1
     assert not compiled.plan(tight).lean_activations and compiled.plan(tight).swap_blocks > 0
+
+
+def test_auto_keeps_headroom_below_the_budget():
+    """'auto' packs the denoise into the budget less AUTO_HEADROOM: a budget the plan just fills without it
+    gets lean (or more swap) with it."""
+    exact = planner(480, 832, 81).plan(None).phase("denoise_high").vram
+    auto = planner(480, 832, 81, lean_activations="auto", swap_blocks="auto").plan(exact)
+    assert auto.lean_activations or auto.swap_blocks > 0
+    assert auto.phase("denoise_high").vram <= exact * (1 - memplan.AUTO_HEADROOM)
+    roomy = planner(480, 832, 81, lean_activations="auto", swap_blocks="auto").plan(int(exact / 0.9))
+    assert not roomy.lean_activations and roomy.swap_blocks == 0
 
 
 def test_plan_request_resolves_auto_onto_the_plans_speed():

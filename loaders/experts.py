@@ -47,7 +47,7 @@ class ExpertSwitcher:
         on_load=None,
         loras=None,
         swap_blocks=0,
-        merge_loras: bool = False,
+        merge_loras: bool | dict = False,
     ):
         missing = {"high", "low"} - set(paths)
         if missing:
@@ -60,7 +60,11 @@ class ExpertSwitcher:
         self.on_load = on_load  # optional callback(name, model) after a load, e.g. for logging
         # {'high'|'low': [wan.lora.Lora]}: attached after each load from disk (parked experts keep theirs)
         self.loras = loras or {}
-        self.merge_loras = merge_loras  # merge them into the dense weights before quantizing instead
+        # {'high'|'low': [Lora]} added into the dense weights as they stream in, before quantizing: True takes
+        # all of `loras` (none attached then); a dict gives these apart from `loras`, which stay side paths
+        self.merged = merge_loras if isinstance(merge_loras, dict) else self.loras if merge_loras else {}
+        if merge_loras is True:
+            self.loras = {}
         self.loads = 0  # how many times an expert was streamed from disk
         self._name = None
         self._model = None
@@ -81,11 +85,11 @@ class ExpertSwitcher:
         if model is not None:
             model = model.to(staging)
         else:
-            merge = self.loras.get(name, ()) if self.merge_loras else ()
+            merge = self.merged.get(name, ())
             model = load_expert(self.paths[name], staging, quantize=self.quantize, merge_loras=merge)
             self.loads += 1
             try:
-                for lora in () if self.merge_loras else self.loras.get(name, ()):
+                for lora in self.loras.get(name, ()):
                     attach_lora(model, lora)
             except BaseException:
                 release(model)

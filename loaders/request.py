@@ -293,14 +293,14 @@ def check_ulysses(
         )
 
 
-def check_lora_merge(sources: dict, quantize, loras) -> None:
+def check_lora_merge(sources: dict, quantize, loras, quantize_setting: str = "--quantize") -> None:
     """Merging LoRAs before quantization needs original bf16/fp32 experts (`sources`: their
     `ExpertSource`s) that are quantized while they stream in (the NF4 repack's 4-bit weights cannot
-    take a dense delta)."""
+    take a dense delta). `quantize_setting`: how the front end names the quantize switch."""
     if not loras:
         raise RequestError("lora_merge", "no LoRA given to merge")
     if not quantize:
-        raise RequestError("lora_merge", "merging happens before quantization: it needs --quantize")
+        raise RequestError("lora_merge", f"merging happens before quantization: it needs {quantize_setting}")
     stored_nf4 = [str(s.path) for s in sources.values() if s.quantized]
     if stored_nf4:
         raise RequestError(

@@ -10,7 +10,7 @@ from ..loaders.experts import ExpertSwitcher
 from ..loaders.formats import CONFIG, DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, find_experts
 from ..loaders.lora import EXPERTS as LORA_EXPERTS
 from ..loaders.lora import LoraSpec
-from ..loaders.request import expert_pair_config
+from ..loaders.request import RequestError, check_lora_merge, expert_pair_config
 from ..wan.config import DiTConfig
 from . import memory
 
@@ -19,6 +19,7 @@ EXPERTS = "LINGBOT_EXPERTS"
 MODELS_KIND = "diffusion_models"
 FOLDER_WEIGHTS = (NF4_WEIGHTS, NF4_PT, DIFFUSERS_SINGLE)
 NO_EXPERTS = "(none found: set ckpt_dir)"
+SIDE_PATH, MERGE = "side path", "merge before quantizing"  # LingBot LoRA modes
 
 
 def _roots(kind: str) -> list[str]:
@@ -71,29 +72,50 @@ class ExpertsHandle:
     quantize: bool | None
     ram_budget: int
     loras: tuple = ()  # LoraSpecs from LingBot LoRA nodes, in chain order
+    lora_merge: tuple = ()  # per entry of `loras`: merged into the weights before quantizing (else a side path)
     allow_unmatched_lora_keys: bool = False
     swap_blocks: int = 0  # DiT blocks streamed from pinned host RAM (wan.block_swap)
     _switcher: ExpertSwitcher | None = field(default=None, repr=False)
+    _switcher_key: tuple | None = field(default=None, repr=False)
 
     def switcher(self, device, loras: dict) -> ExpertSwitcher:
-        """`loras`: the plan's LoRAs read for these specs (the same on every run of this handle)."""
-        if self._switcher is None or self._switcher.device != device:
+        """`loras`: the plan's LoRAs read for these specs (the same on every run of this handle). The
+        switcher (and what it parked) is kept while the device and the LoRAs with their modes stay the same:
+        merged LoRAs live in the loaded weights, so changing them means loading the experts again."""
+        key = (self.loras, self.lora_merge)
+        if self._switcher is None or self._switcher.device != device or self._switcher_key != key:
             self.close()
+            side, merged = (loras, False) if not any(self.lora_merge) else self._split_loras(loras)
             self._switcher = ExpertSwitcher(
                 self.paths,
                 device,
                 quantize=self.quantize,
                 ram_budget=self.ram_budget,
-                loras=loras,
+                loras=side,
                 swap_blocks=self.swap_blocks,
+                merge_loras=merged,
             )
+            self._switcher_key = key
         return self._switcher
 
-    def with_lora(self, spec: LoraSpec, allow_unmatched: bool) -> "ExpertsHandle":
-        """A new handle (own switcher, own parked experts) with one more LoRA."""
+    def _split_loras(self, loras: dict) -> tuple[dict, dict]:
+        """The plan's {'high'|'low': [Lora]} (one per spec that applies, in chain order) -> (side path, merged)."""
+        side, merged = {}, {}
+        for e in ("high", "low"):
+            modes = [m for spec, m in zip(self.loras, self.lora_merge, strict=True) if spec.applies_to(e)]
+            got = loras.get(e, [])
+            if len(got) != len(modes):
+                raise ValueError(f"loras: {len(got)} read for the {e}-noise expert, {len(modes)} expected")
+            side[e] = [lora for lora, m in zip(got, modes, strict=True) if not m]
+            merged[e] = [lora for lora, m in zip(got, modes, strict=True) if m]
+        return side, merged
+
+    def with_lora(self, spec: LoraSpec, allow_unmatched: bool, merge: bool = False) -> "ExpertsHandle":
+        """A new handle (own switcher, own parked experts) with one more LoRA; `merge`: added into the
+        weights before quantizing instead of as a side path."""
         return replace(
-            self, loras=(*self.loras, spec), _switcher=None,
-            allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
+            self, loras=(*self.loras, spec), lora_merge=(*self.lora_merge, bool(merge)), _switcher=None,
+            _switcher_key=None, allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
         )  # fmt: skip
 
     def provider(self, device, working_bytes: int, loras: dict):
@@ -219,7 +241,8 @@ class LingBotLoRA:
     DESCRIPTION = (
         "Adds a LoRA (.safetensors from models/loras: ComfyUI/kohya, peft/diffusers or step-distill diff "
         "layouts) to the experts as a low-rank path beside the NF4 weights: nothing is re-quantized. Chain "
-        "several to stack them."
+        "several to stack them. With original bf16/fp32 experts quantized while loading, it can instead be "
+        "merged into the weights before they are quantized."
     )
     CATEGORY = CATEGORY
     FUNCTION = "apply"
@@ -248,10 +271,29 @@ class LingBotLoRA:
                     "tooltip": "Warn about keys that match no layer instead of failing (e.g. Wan2.1 image-attention keys).",
                 }),
             },
+            "optional": {
+                "mode": ([SIDE_PATH, MERGE], {
+                    "default": SIDE_PATH,
+                    "tooltip": "side path: a low-rank path beside the weights, for any experts. merge before "
+                    "quantizing: added into the weights as they stream in, before they are quantized (no "
+                    "side path at run time); only for original bf16/fp32 experts with quantize_to_nf4 on "
+                    "in the LingBot Experts Loader.",
+                }),
+            },
         }  # fmt: skip
 
-    def apply(self, experts, lora_name, strength, apply_to, allow_unmatched_keys):
+    def apply(self, experts, lora_name, strength, apply_to, allow_unmatched_keys, mode=SIDE_PATH):
         spec = LoraSpec(resolve_model("loras", lora_name), strength, apply_to)
         if not spec.path.suffix.lower() == ".safetensors":
             raise ValueError(f"lora_name: {lora_name!r} is not a .safetensors file")
-        return (experts.with_lora(spec, allow_unmatched_keys),)
+        if mode not in (SIDE_PATH, MERGE):
+            raise ValueError(f"mode: expected {SIDE_PATH!r} or {MERGE!r}, got {mode!r}")
+        if mode == MERGE:
+            _, sources = expert_pair_config(experts.paths)
+            try:
+                check_lora_merge(
+                    sources, experts.quantize, (spec,), "quantize_to_nf4 on the LingBot Experts Loader"
+                )
+            except RequestError as e:
+                raise ValueError(f"mode {MERGE!r}: {e.detail}") from None
+        return (experts.with_lora(spec, allow_unmatched_keys, merge=mode == MERGE),)

@@ -365,6 +365,90 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     assert torch.equal(out["samples"], saved["latent_tensor"])
 
 
+def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
+    """The sampler node's latent for the request `args_for` makes (4 steps, seed 7, 64*112, 9 frames)."""
+    (text,) = nodes.LingBotTextEncode().encode(
+        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
+    )
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    camera, _ = nodes.LingBotCamera().load(str(example))
+    with Image.open(example / "image.jpg") as img:
+        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    (out,) = nodes.LingBotSampler().sample(
+        experts, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, *guide, 7, "unipc",
+        camera=camera, text=text,
+    )  # fmt: skip
+    return out["samples"]
+
+
+def test_lora_node_merges_before_quantizing_as_the_cli_does(
+    nf4_ckpt, shipped_example, tmp_path, monkeypatch, capsys
+):
+    """LingBot LoRA's 'merge before quantizing' on bf16 experts quantized while streaming gives exactly the
+    CLI's --lora_merge latent; its default (side path) gives exactly the CLI's --lora latent; NF4 experts,
+    or quantize off, are refused at node time naming the files and what is needed."""
+    import shutil
+
+    from lingbot_world.loaders import synthetic
+
+    config = checkpoints.resolve_checkpoint_dir(nf4_ckpt).config
+    ckpt = tmp_path / "bf16"
+    synthetic.write_diffusers_expert(ckpt / "high_noise_model", config, seed=1)
+    synthetic.write_diffusers_expert(ckpt / "low_noise_model", config, seed=2)
+    for name in ("models_t5_umt5-xxl-enc-bf16.pth", "Wan2.1_VAE.pth"):
+        shutil.copy(nf4_ckpt / name, ckpt / name)
+    shutil.copytree(nf4_ckpt / "tokenizer", ckpt / "google" / "umt5-xxl")
+    lora = tiny_lora(tmp_path / "style.safetensors", config, seed=4)
+
+    cli_latents = {}
+    for mode, extra in (("merge", ["--lora_merge"]), ("side", [])):
+        out = tmp_path / f"{mode}.latent"
+        args = args_for(ckpt, shipped_example, tmp_path / f"{mode}.mp4", "--t5_mode", "inprocess", "--seed", "7",
+                        "--guide_scale", "4", "6", "--quantize", "--lora", f"{lora}:0.7", "--save_latent",
+                        str(out), *extra)  # fmt: skip
+        assert cli.main(args) == 0, capsys.readouterr().err
+        cli_latents[mode] = load_file(str(out))["latent_tensor"]
+    assert not torch.equal(cli_latents["merge"], cli_latents["side"])
+
+    nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
+    (loaded,) = nodes.LingBotExpertsLoader().load("", "", True, 0.0, ckpt_dir=str(ckpt))
+    (merged,) = nodes.LingBotLoRA().apply(loaded, lora.name, 0.7, "both", False, "merge before quantizing")
+    (side,) = nodes.LingBotLoRA().apply(
+        loaded, lora.name, 0.7, "both", False
+    )  # a workflow saved before the mode widget
+    (explicit,) = nodes.LingBotLoRA().apply(loaded, lora.name, 0.7, "both", False, "side path")
+    assert (merged.lora_merge, side.lora_merge, explicit.lora_merge) == ((True,), (False,), (False,))
+    assert side == explicit and merged != side  # ComfyUI's cache sees the mode too
+    got = _node_latent(nodes, merged, shipped_example)
+    assert torch.equal(got, cli_latents["merge"])
+    switcher = merged._switcher
+    assert [len(switcher.merged[e]) for e in ("high", "low")] == [1, 1] and switcher.loras["low"] == []
+    assert torch.equal(_node_latent(nodes, side, shipped_example), cli_latents["side"])
+    assert side._switcher.merged == {} and len(side._switcher.loras["low"]) == 1  # today's side path
+
+    # the handle's switcher is keyed on the LoRAs' modes: another mode loads the experts again
+    remoded = replace(merged, lora_merge=(False,))
+    assert remoded._switcher is switcher
+    assert remoded.switcher(switcher.device, {"high": [], "low": []}) is not switcher
+
+    with pytest.raises(ValueError, match="mode 'merge before quantizing': merging happens before quantization: "
+                       "it needs quantize_to_nf4 on the LingBot Experts Loader"):  # fmt: skip
+        nodes.LingBotLoRA().apply(
+            nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(ckpt))[0],
+            lora.name, 0.7, "both", False, "merge before quantizing",
+        )  # fmt: skip
+    (nf4,) = nodes.LingBotExpertsLoader().load("", "", True, 0.0, ckpt_dir=str(nf4_ckpt))
+    with pytest.raises(ValueError, match="these experts are stored as NF4") as err:
+        nodes.LingBotLoRA().apply(nf4, lora.name, 0.7, "low", False, "merge before quantizing")
+    for path in nf4.paths.values():
+        assert str(path) in str(err.value)
+    assert "merging needs the original bf16/fp32 experts" in str(err.value)
+    with pytest.raises(
+        ValueError, match="mode: expected 'side path' or 'merge before quantizing', got 'fuse'"
+    ):
+        nodes.LingBotLoRA().apply(nf4, lora.name, 0.7, "low", False, "fuse")
+
+
 def test_swap_blocks_is_checked_and_kept_on_the_plan():
     assert plan().swap_blocks == 0
     assert plan(swap_blocks=CAM.num_layers).swap_blocks == CAM.num_layers

@@ -3,7 +3,8 @@
 Also converts a UI-format (v0.4) workflow to the API format with the server's /object_info, the
 way ComfyUI's frontend does for "Export (API)": widget values are matched to the node's widget
 inputs in declaration order (required, then optional), a seed's control_after_generate and an
-image upload button each take one extra slot.
+image upload button each take one extra slot; optional widgets past the saved values keep their
+defaults (a workflow saved before they were added).
 """
 
 import json
@@ -51,11 +52,14 @@ def ui_to_api(ui: dict, object_info: dict) -> dict:
         if node.get("mode", 0) in (2, 4):
             continue
         info = object_info[node["type"]]
-        specs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
+        optional = info["input"].get("optional", {})
+        specs = {**info["input"].get("required", {}), **optional}
         linked = {i["name"]: links[i["link"]] for i in node.get("inputs", []) if i.get("link") is not None}
         values = list(node.get("widgets_values") or [])
         inputs = {}
         for name, spec in specs.items():
+            if _is_widget(spec) and not values and name in optional and name not in linked:
+                continue  # an optional widget added after the workflow was saved: the node's default
             if _is_widget(spec):
                 value = values.pop(0)  # a widget turned into an input keeps its slot
                 opts = spec[1] if len(spec) > 1 else {}

@@ -255,6 +255,28 @@ def test_fast_preset_runs_with_loras_and_one_forward_a_step(server):
     assert "transformer forwards: 6 run, 0 skipped" in server.log(400), server.log(400)
 
 
+def test_lora_node_mode_defaults_to_side_path_and_refuses_merging_into_nf4(server):
+    """The fast preset was saved before LingBot LoRA's optional mode widget: it converts without it (the side
+    path, as before). Asking to merge into the NF4 experts fails in the LoRA node, naming the files."""
+    prompt = tiny_prompt(server, FAST_WORKFLOW, steps=2)
+    loras = [n["inputs"] for n in prompt.values() if n["class_type"] == "LingBotLoRA"]
+    assert loras and all("mode" not in n for n in loras)
+    assert server.object_info["LingBotLoRA"]["input"]["optional"]["mode"][0] == [
+        "side path", "merge before quantizing",
+    ]  # fmt: skip
+    loras[0]["mode"] = "merge before quantizing"
+    next(n for n in prompt.values() if n["class_type"] == "LingBotExpertsLoader")["inputs"][
+        "quantize_to_nf4"
+    ] = True
+    entry = server.wait_history(server.queue_prompt(prompt), timeout=60)
+    assert entry["status"]["status_str"] == "error"
+    (error,) = [m[1] for m in entry["status"]["messages"] if m[0] == "execution_error"]
+    assert error["node_type"] == "LingBotLoRA"
+    message = error["exception_message"]
+    assert "these experts are stored as NF4" in message and "high_noise_model_bnb_nf4" in message, error
+    assert "merging needs the original bf16/fp32 experts" in message
+
+
 def test_fast_chunked_workflow_runs_chunk_by_chunk(server):
     """The LingBot-World-Fast workflow end to end on a tiny Fast folder (fp32 shards quantized to NF4 while
     loading): 2 chunks (21 frames) with its window, sink and fp8 K/V, progress per chunk in the log."""

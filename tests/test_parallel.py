@@ -198,3 +198,25 @@ def test_settings_under_sequence_parallel_are_accepted_or_refused_by_name():
     with pytest.raises(RequestError, match="sequence parallel does not support compile") as err:
         plan(speed=SpeedOptions(compile=True), swap_blocks=1)
     assert err.value.param == "ulysses_size" and "all-to-all" in str(err.value)
+
+
+def test_step_cache_takes_the_shared_decision():
+    """`agree` overrides the local decision and the cache's state follows it (a vetoed skip restarts the sum)."""
+    from lingbot_world.wan.step_cache import EasyCache
+
+    def steps(agree):
+        cache = EasyCache(keep_first=0, keep_last=0)
+        cache.start(6, threshold=10.0)
+        x, out = torch.ones(4), []
+        for i in range(6):
+            x = x + 0.1
+            skip = cache.should_skip(x, agree)
+            out.append((skip, cache.accumulated))
+            if not skip:
+                cache.store("cond", x, 2 * x + i)
+        return out
+
+    local = steps(None)
+    assert [s for s, _ in local] == [False, False, True, True, True, True]
+    vetoed = steps(lambda skip: False)  # rank 0 said compute: every step runs, the sum restarts each time
+    assert all(not s and a == 0.0 for s, a in vetoed)

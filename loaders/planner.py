@@ -16,6 +16,8 @@ two random NF4 A14B experts, text encoded in a child process):
   Under sequence parallel (`ulysses_size` N) each rank holds the whole expert but the per-token terms
   of only L/N tokens, plus the all-to-all buffers and the tokens embedded before the split (see
   `activation_vram`); rank 0 alone encodes the text and runs the VAE, so its figures are the largest.
+  With block swap every rank pins its own copy of its swapped blocks, so the denoise's RAM (the host's
+  total) counts N copies; 'auto' swap is resolved by each rank against its own GPU's free VRAM.
   With lean activations (`wan.dit.WanAttentionBlock.forward_lean`) the per-token term counts only the
   tensors that stay full length, plus one chunk's temporaries (see `lean_activation_vram`); 'auto' turns
   it on only when the normal forward would not fit, before any swap.
@@ -397,6 +399,9 @@ class Planner:
             vram = weights + int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
             note = f"expert {nbytes / GIB:.2f} GiB" + (f", {swap} blocks in pinned RAM" if swap else "")
             if ranks > 1:
+                if swap:  # each rank is a process with its own expert: it pins its own swapped blocks
+                    pinned *= ranks
+                    note += f" on each of {ranks} ranks ({pinned / GIB:.2f} GiB pinned in all)"
                 note += f", {-(-tokens // ranks):,} tokens per rank"
             if lean:
                 note += ", lean activations"
@@ -410,7 +415,8 @@ class Planner:
             "vae_decode", decode_vram(lat_f, lat_h, lat_w, tile), dec_ram, f"tile {_tile_text(tile)}"
         )
         phases = (text, encode, *denoise, decode)
-        if ranks > 1:  # every rank is a process of its own on this host: RAM is the host's total
+        if ranks > 1:  # every rank is a process of its own on this host: RAM is the host's total (the
+            # denoise's pinned blocks already counted for every rank above)
             others = (ranks - 1) * PROCESS_RAM
             phases = tuple(replace(p, ram=p.ram + others) for p in phases)
         return MemoryPlan(
@@ -482,9 +488,6 @@ class Planner:
         return out
 
     def _fitting_swap(self, fits):
-        # sequence parallel does not take block swap (request.check_ulysses)
-        if self.request.ulysses_size > 1:
-            return None
         start = 0 if self.request.swap_blocks == "auto" else int(self.request.swap_blocks)
         for swap in range(start + 1, self.config.num_layers + 1):
             if fits(self.with_(swap_blocks=swap)):

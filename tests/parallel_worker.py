@@ -75,3 +75,120 @@ def failing_rank(rank, world, port, out_dir):
         raise
     finally:
         dist.destroy_process_group()
+
+
+# --- sequence parallel with the other settings: block swap, LoRAs, the step cache ------------------------
+
+SWAP_CFG = synthetic.tiny_config("cam", num_layers=4)  # 4 heads
+
+
+def nf4_model(path):
+    """The tiny NF4 expert in fp32 compute, with bitsandbytes' portable CPU kernel (as tests/test_block_swap)."""
+    import bitsandbytes as bnb
+    from lingbot_world.loaders.stream import load_expert
+
+    model = load_expert(path, "cpu", compute_dtype=torch.float32)
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def swap_lora(model):
+    """A LoRA on layers of swapped and resident blocks (attention, FFN, a norm's diff)."""
+    from lingbot_world.wan.lora import Lora
+
+    g = torch.Generator().manual_seed(9)
+    patches = {}
+    for target in (
+        "blocks.3.self_attn.q",
+        "blocks.2.ffn.0",
+        "blocks.0.cross_attn.o",
+        "blocks.1.cam_injector_layer1",
+    ):
+        layer = model.get_submodule(target)
+        patches[target] = (
+            torch.randn(4, layer.in_features, generator=g) * 0.3,
+            torch.randn(layer.out_features, 4, generator=g) * 0.3,
+            8.0,
+            None,
+            torch.randn(layer.out_features, generator=g) * 0.1,
+        )
+    patches["blocks.3.norm3"] = (None, None, None, torch.randn(SWAP_CFG.dim, generator=g) * 0.1, None)
+    return Lora(patches, 1.0, "test")
+
+
+def swap_inputs():
+    g = torch.Generator().manual_seed(4)
+    f, h, w = GRID
+    x = torch.randn(16, f, 2 * h, 2 * w, generator=g)
+    y = torch.randn(20, f, 2 * h, 2 * w, generator=g)
+    cam = 0.1 * torch.randn(1, 384, f, 2 * h, 2 * w, generator=g)
+    context = torch.randn(7, SWAP_CFG.text_dim, generator=g)
+    return x, y, context, cam
+
+
+def swap_forward(model):
+    x, y, context, cam = swap_inputs()
+    with torch.no_grad():
+        return model(x, torch.tensor([700.0]), context, y=y, cam=cam)
+
+
+def swap_rank(rank, world, port, out_dir, nf4_dir, lora):
+    """One forward of the NF4 expert with its last 3 blocks swapped (and a LoRA attached) on each rank."""
+    from lingbot_world.wan.block_swap import BlockSwapper
+    from lingbot_world.wan.lora import attach_lora
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = nf4_model(nf4_dir)
+        if lora:
+            attach_lora(model, swap_lora(model))
+        swapper = BlockSwapper(model, 3)
+        model.sequence_parallel = SequenceParallel()
+        out = swap_forward(model)
+        torch.save({"out": out, "live": len(swapper._live), "host": swapper.host_bytes},
+                   Path(out_dir) / f"rank{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def cached_denoise(experts, parallel=None, threshold=1.0):
+    """pipeline.denoise with EasyCache on: (final latent, the forwards run and skipped). With threshold 1 the
+    tiny expert skips 3 of its 10 CFG steps, every decision at least 12 % away from the threshold."""
+    from lingbot_world.wan import pipeline
+    from lingbot_world.wan.config import SampleConfig
+    from lingbot_world.wan.speed import SpeedOptions, SpeedStats
+
+    x, y, context, cam = swap_inputs()
+    speed = SpeedOptions(cache="easycache", cache_threshold=threshold, cache_keep_first=2, cache_keep_last=1)
+    stats = SpeedStats()
+    settings = SampleConfig(sample_steps=12, guide_scale=(3.0, 4.0))
+    with torch.no_grad():
+        latent = pipeline.denoise(experts, x, y, context, 0.5 * context, cam, settings, speed=speed,
+                                  stats=stats, parallel=parallel)  # fmt: skip
+    return latent, stats.as_dict()
+
+
+def switcher(nf4_dir):
+    """Both experts from the same NF4 folder, 3 blocks swapped, the LoRA on the high-noise one."""
+    from lingbot_world.loaders.experts import ExpertSwitcher
+
+    lora = swap_lora(nf4_model(nf4_dir))
+    return ExpertSwitcher({"high": nf4_dir, "low": nf4_dir}, "cpu", swap_blocks=3, loras={"high": [lora]})
+
+
+def cached_rank(rank, world, port, out_dir, nf4_dir):
+    """The step cache with block swap and a LoRA under sequence parallel: the whole sampling loop."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        experts = switcher(nf4_dir)
+        try:
+            latent, stats = cached_denoise(experts, SequenceParallel())
+        finally:
+            experts.close()
+        torch.save({"latent": latent, "stats": stats}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -133,3 +133,90 @@ def test_ctrl_c_under_torchrun_ends_every_rank_cleanly(nf4_ckpt, shipped_example
     with pytest.raises(ProcessLookupError):  # no rank of the group is left running
         os.killpg(proc.pid, 0)
     assert list(out_dir.iterdir()) == []
+
+
+# --- with the other settings: block swap, LoRAs, the step cache (compile stays refused) ---------------------
+
+
+@pytest.fixture(scope="module")
+def nf4_dir(tmp_path_factory):
+    from lingbot_world.loaders import synthetic
+
+    return synthetic.write_nf4_expert(tmp_path_factory.mktemp("sp") / "nf4", worker.SWAP_CFG, seed=3)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["swap", "swap+lora"])
+def test_block_swap_and_lora_on_two_ranks_equal_one_process(nf4_dir, lora, tmp_path):
+    """Each rank streams 3 of its 4 NF4 blocks from its own host buffer (with a LoRA on swapped and resident
+    layers): the same prediction as one process with every block resident."""
+    from lingbot_world.wan.lora import attach_lora
+
+    model = worker.nf4_model(nf4_dir)
+    plain = worker.swap_forward(model)
+    if lora:
+        attach_lora(model, worker.swap_lora(model))
+    expected = worker.swap_forward(model)
+    if lora:
+        assert (expected - plain).abs().max() > 1e-3  # the LoRA changes the prediction
+    mp.spawn(worker.swap_rank, args=(2, free_port(), str(tmp_path), str(nf4_dir), lora), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["host"] > 0 and got["live"] == 0  # swapped, and nothing left fetched after the forward
+        torch.testing.assert_close(got["out"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_step_cache_with_swap_and_lora_on_two_ranks_stays_in_lockstep(nf4_dir, tmp_path):
+    """EasyCache decides on the replicated latent (rank 0's decision is shared): both ranks skip the same
+    steps as one process and end on its latent; block swap and a LoRA run underneath."""
+    experts = worker.switcher(nf4_dir)
+    try:
+        expected, stats = worker.cached_denoise(experts)
+    finally:
+        experts.close()
+    assert stats["total_skipped_forwards"] > 0 and stats["total_forwards"] > 0  # the cache did skip
+    mp.spawn(worker.cached_rank, args=(2, free_port(), str(tmp_path), str(nf4_dir)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["stats"] == stats
+        torch.testing.assert_close(got["latent"], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_settings_under_sequence_parallel_are_accepted_or_refused_by_name():
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.loaders.request import RequestError, plan_request
+    from lingbot_world.wan.config import SampleConfig
+    from lingbot_world.wan.speed import SpeedOptions
+
+    cfg = synthetic.tiny_config("cam")
+
+    def plan(**kw):
+        return plan_request((480, 832), cfg, SampleConfig(), max_area=480 * 832, ulysses_size=2, ulysses_world=2,
+                            **kw)  # fmt: skip
+
+    assert plan(swap_blocks=1).swap_blocks == 1 and plan(swap_blocks="auto").swap_blocks == "auto"
+    assert plan(speed=SpeedOptions(cache="easycache")).speed.cache == "easycache"
+    with pytest.raises(RequestError, match="sequence parallel does not support compile") as err:
+        plan(speed=SpeedOptions(compile=True), swap_blocks=1)
+    assert err.value.param == "ulysses_size" and "all-to-all" in str(err.value)
+
+
+def test_step_cache_takes_the_shared_decision():
+    """`agree` overrides the local decision and the cache's state follows it (a vetoed skip restarts the sum)."""
+    from lingbot_world.wan.step_cache import EasyCache
+
+    def steps(agree):
+        cache = EasyCache(keep_first=0, keep_last=0)
+        cache.start(6, threshold=10.0)
+        x, out = torch.ones(4), []
+        for i in range(6):
+            x = x + 0.1
+            skip = cache.should_skip(x, agree)
+            out.append((skip, cache.accumulated))
+            if not skip:
+                cache.store("cond", x, 2 * x + i)
+        return out
+
+    local = steps(None)
+    assert [s for s, _ in local] == [False, False, True, True, True, True]
+    vetoed = steps(lambda skip: False)  # rank 0 said compute: every step runs, the sum restarts each time
+    assert all(not s and a == 0.0 for s, a in vetoed)

@@ -289,6 +289,26 @@ def test_ulysses_plan_is_per_rank():
     assert mp.activation_vram(tokens, A14B, ranks=1) == mp.activation_vram(tokens, A14B)
 
 
+def test_ulysses_plan_with_block_swap_counts_every_ranks_pinned_blocks():
+    """Each rank pins its own copy of its swapped blocks: the denoise RAM (the host's) counts N of them."""
+    block = NF4 // A14B.num_layers
+    one = planner(720, 1280, 81, t5_device="cpu", swap_blocks=10).plan()
+    assert one.phase("denoise_high").ram == mp.PROCESS_RAM + 10 * block
+    for n in (2, 4):
+        plan = planner(720, 1280, 81, t5_device="cpu", swap_blocks=10, ulysses_size=n).plan()
+        den = plan.phase("denoise_high")
+        assert den.ram == n * (mp.PROCESS_RAM + 10 * block)
+        assert (
+            den.vram
+            == planner(720, 1280, 81, t5_device="cpu", ulysses_size=n).plan().phase("denoise_high").vram
+            - 8 * block
+        )  # per rank, as one device: 10 swapped, 2 in flight
+        assert plan.phase("vae_decode").ram == one.phase("vae_decode").ram + (n - 1) * mp.PROCESS_RAM
+        assert (
+            f"10 blocks in pinned RAM on each of {n} ranks ({n * 10 * block / GIB:.2f} GiB pinned" in den.note
+        )
+
+
 def test_plan_request_checks_per_rank_memory():
     from lingbot_world.loaders.request import plan_request
     from lingbot_world.wan.config import SampleConfig
@@ -313,7 +333,11 @@ def test_plan_request_checks_per_rank_memory():
     assert p4.ulysses_size == 4 and p4.memory.ranks == 4 and p4.memory.peak_vram <= 22 * GIB
     with pytest.raises(mp.MemoryPlanError) as err:  # two ranks still need more than 22 GiB each
         plan(2)
-    assert err.value.phase.startswith("denoise") and "--swap_blocks" not in str(err.value)  # not with ulysses
+    assert err.value.phase.startswith("denoise") and "--swap_blocks" in str(err.value)  # swap works with it
+    swapped = plan_request((720, 1280), A14B, SampleConfig(), frame_num=161, max_area=720 * 1280,
+                           memory=check, ulysses_size=2, ulysses_world=2, swap_blocks="auto",
+                           speed=SpeedOptions(lean_activations=False))  # fmt: skip
+    assert 0 < swapped.swap_blocks < 40 and swapped.memory.peak_vram <= 22 * GIB  # 'auto': this rank's fit
 
 
 def test_plan_subcommand_prints_per_rank_figures(demo_ckpt, capsys):

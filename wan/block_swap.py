@@ -10,6 +10,10 @@ block ahead (double-buffered: block i+1's copy overlaps block i's compute), the 
 for its copy, and after the block ran its device copy is dropped. The bytes are the same, so results
 are bit-identical to no swap. On CPU (no streams) the copy is a plain CPU copy.
 
+Under sequence parallel (`wan.parallel`) every rank runs its own swapper over its own copy of the expert,
+from its own pinned RAM, to its own GPU: the side-stream copies touch only block weights, never a buffer
+of the all-to-all, and add no communication, so they need nothing from the other ranks.
+
 The swapper holds the only host copy of the swapped blocks: `close()` (or `unpin()` to keep the
 model usable in pageable RAM) frees the pinned buffers. Tensors added to a swapped block after the
 swapper was made (a LoRA attached later) are not swapped: close the swapper first.

@@ -15,6 +15,19 @@ split across the ranks:
 - the head's per-token output is all-gathered so every rank unpatchifies the same full prediction, and
   the scheduler steps the replicated latent identically everywhere.
 
+What else runs under it, and why it needs nothing of the collectives:
+- block swap (`wan.block_swap`): each rank is a process with its own GPU and its own copy of the expert,
+  and streams its swapped blocks from its own pinned RAM. The copies run on the swapper's side stream and
+  touch only that rank's block weights, never a tensor a collective reads or writes; the compute stream
+  waits for a block's copy before the block runs, and NCCL's collectives are ordered after the compute
+  stream's work as usual, so the prefetch of block i+1 overlaps block i's all-to-alls without
+  sharing a buffer with them. No rank waits on another's swap (ranks may even swap different counts).
+- LoRA side paths (`wan.lora`): per-token linear layers on the local slice, like the weights they patch.
+- the step cache (`wan.step_cache`): it decides from the replicated latent and the gathered prediction,
+  the same bytes on every rank; the decision is still taken from rank 0 (`agree`), so the ranks skip the
+  same forwards and their collectives stay paired even where a reduction rounds differently on unlike GPUs.
+- compile is refused (`loaders.request.check_ulysses`): the compiled blocks would trace the collectives.
+
 The heads must split evenly (the A14B's 40 heads: N in 1, 2, 4, 5, 8, 10, 20, 40).
 
 Why the all-to-all glue is written here rather than taken from `yunchang` or `xfuser`: both packages'
@@ -107,6 +120,11 @@ class SequenceParallel:
         x = x.contiguous()
         dist.broadcast(x, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
         return x
+
+    def agree(self, flag: bool, device) -> bool:
+        """Rank 0's `flag` on every rank (a one-element tensor on `device`, which NCCL needs on the GPU)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+        return bool(self.broadcast(t).item())
 
 
 def world_size() -> int:

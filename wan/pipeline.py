@@ -12,7 +12,7 @@ the tests and the benchmarks all run this same code:
 Sequence parallel (`parallel`, a `wan.parallel.SequenceParallel`): every rank runs this same flow with the
 same inputs and seed (so the noise is the same everywhere); the first-frame VAE encode runs on rank 0 only
 and its latent is broadcast, each expert forward splits the video tokens across the ranks, and only rank 0
-calls the `progress` hook.
+calls the `progress` hook. With the step cache, every rank takes rank 0's skip decision.
 """
 
 import contextlib
@@ -77,6 +77,9 @@ def denoise(
     seq_len = i2v.seq_len(*noise.shape[1:])
     schedule = [expert_for_timestep(t, settings.boundary) for t in timesteps]
     cache = EasyCache(speed.cache_keep_first, speed.cache_keep_last) if speed.cache == "easycache" else None
+    agree = (
+        None if parallel is None else lambda skip: parallel.agree(skip, device)
+    )  # one decision for all ranks
     latent = noise
     with attention.use(speed.attention), contextlib.ExitStack() as stack:
         runner = block_runner(speed, device)
@@ -104,7 +107,7 @@ def denoise(
             timestep = t.reshape(1).to(device)
             branches = (("cond", context),) if g == 1 else (("cond", context), ("uncond", context_null))
             with torch.no_grad():
-                skip = cache is not None and cache.should_skip(latent)
+                skip = cache is not None and cache.should_skip(latent, agree)
                 out = {}
                 for branch, ctx in branches:
                     if skip:

@@ -52,14 +52,17 @@ class EasyCache:
         self.residual: dict[str, torch.Tensor] = {}
         self.skipping = False
 
-    def should_skip(self, x: torch.Tensor) -> bool:
-        """Decide for the next step (call once per step, before its forwards)."""
+    def should_skip(self, x: torch.Tensor, agree=None) -> bool:
+        """Decide for the next step (call once per step, before its forwards). `agree(skip) -> skip`:
+        replaces the decision with a shared one (sequence parallel: rank 0's), so every process skips alike."""
         self.index += 1
         j, x_prev, self.x_prev = self.index, self.x_prev, x
         skip = False
         if self.keep_first <= j < self.steps - self.keep_last and self.rate is not None:
             self.accumulated += self.rate * _mean_abs(x - x_prev) / self.v_done_norm
             skip = self.accumulated < self.threshold
+        if agree is not None:
+            skip = agree(skip)
         if not skip:
             self.accumulated = 0.0
         self.skipping = skip

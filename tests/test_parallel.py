@@ -165,6 +165,7 @@ def test_block_swap_and_lora_on_two_ranks_equal_one_process(nf4_dir, lora, tmp_p
         torch.testing.assert_close(got["out"], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ~1.5 min of CPU: CI runs it with -m slow
 def test_step_cache_with_swap_and_lora_on_two_ranks_stays_in_lockstep(nf4_dir, tmp_path):
     """EasyCache decides on the replicated latent (rank 0's decision is shared): both ranks skip the same
     steps as one process and end on its latent; block swap and a LoRA run underneath."""

@@ -95,27 +95,13 @@ def nf4_model(path):
 
 
 def swap_lora(model):
-    """A LoRA on layers of swapped and resident blocks (attention, FFN, a norm's diff)."""
-    from lingbot_world.wan.lora import Lora
+    """A LoRA on layers of swapped and resident blocks (attention, FFN, camera, a norm's diff)."""
+    from test_block_swap import lora_for
 
-    g = torch.Generator().manual_seed(9)
-    patches = {}
-    for target in (
-        "blocks.3.self_attn.q",
-        "blocks.2.ffn.0",
-        "blocks.0.cross_attn.o",
-        "blocks.1.cam_injector_layer1",
-    ):
-        layer = model.get_submodule(target)
-        patches[target] = (
-            torch.randn(4, layer.in_features, generator=g) * 0.3,
-            torch.randn(layer.out_features, 4, generator=g) * 0.3,
-            8.0,
-            None,
-            torch.randn(layer.out_features, generator=g) * 0.1,
-        )
-    patches["blocks.3.norm3"] = (None, None, None, torch.randn(SWAP_CFG.dim, generator=g) * 0.1, None)
-    return Lora(patches, 1.0, "test")
+    return lora_for(
+        model,
+        ("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0.cross_attn.o", "blocks.1.cam_injector_layer1"),
+    )
 
 
 def swap_inputs():

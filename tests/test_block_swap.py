@@ -46,10 +46,11 @@ def block_state(model, i):
     return {k: v.clone() for k, v in model.blocks[i].state_dict().items()}
 
 
-def lora_for(model):
+def lora_for(model, targets=("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0.cross_attn.o")):
+    """A random LoRA on `targets` (low-rank + bias deltas) and a diff on block 3's norm3."""
     g = torch.Generator().manual_seed(9)
     patches = {}
-    for target in ("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0.cross_attn.o"):
+    for target in targets:
         layer = model.get_submodule(target)
         patches[target] = (
             torch.randn(4, layer.in_features, generator=g) * 0.3,
@@ -58,7 +59,7 @@ def lora_for(model):
             None,
             torch.randn(layer.out_features, generator=g) * 0.1,
         )
-    patches["blocks.3.norm3"] = (None, None, None, torch.randn(CFG.dim, generator=g) * 0.1, None)
+    patches["blocks.3.norm3"] = (None, None, None, torch.randn(model.dim, generator=g) * 0.1, None)
     return Lora(patches, 1.0, "test")
 
 

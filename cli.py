@@ -52,7 +52,6 @@ from .wan.fast import (
     FastSession,
     fast_frame_num,
     fast_latent_frames,
-    kv_cache_bytes_for,
 )
 from .wan.fast_camera import KeySteering
 from .wan.speed import SpeedOptions, SpeedStats
@@ -657,10 +656,9 @@ def run_fast(args) -> int:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {CHUNK_FRAMES})"
         )
-    kv = kv_cache_bytes_for(files.config, (lat_f, lat_h, lat_w), config)
     need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
     print(f"LingBot-World-Fast: {lat_f // CHUNK_FRAMES} chunks, {frames} frames at {w}x{h}; attention caches "
-          f"up to {kv / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB")  # fmt: skip
+          f"up to {need.caches / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB")  # fmt: skip
     if device.type == "cuda":
         issue = fast_run.fast_fit_issue(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap,
                                         memplan.free_memory(device)[0], tile)  # fmt: skip

@@ -38,7 +38,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench_speed import load_random_expert, sync  # noqa: E402
+from bench_speed import load_random_expert, set_vram_cap, sync  # noqa: E402
 from lingbot_world.wan.config import CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.fast import CHUNK_FRAMES, FastConfig, FastSession  # noqa: E402
 from lingbot_world.wan.schedulers import sampling_sigmas  # noqa: E402
@@ -151,18 +151,6 @@ def load_upstream_module(folder: Path, device, name: str):
 
 def load_upstream_fast(folder: Path, device):
     return load_upstream_module(folder, device, "model_fast")
-
-
-def set_vram_cap(device, gib: float | None) -> float | None:
-    """Limit this process to `gib` GiB of the current CUDA card (None: no limit); returns the cap."""
-    if gib is None:
-        return None
-    if device.type != "cuda":
-        raise SystemExit("--vram-cap-gib needs a CUDA GPU")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), index)
-    return gib
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from bench_speed import set_vram_cap  # noqa: E402
 from bench_t5 import SCALES as T5_SCALES  # noqa: E402
 from bench_t5 import write_random_safetensors, write_synthetic_tokenizer  # noqa: E402
 
@@ -107,8 +108,7 @@ def main() -> int:
 
         video.write_mp4 = lambda *a, **k: print("PyAV absent: MP4 not written")
     if cuda:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * (1 << 30) / total))
+        set_vram_cap(torch.device("cuda"), args.vram_cap_gib)
     report, out = args.workdir / "phases.json", args.workdir / "out.mp4"
     extra = ["--guide_scale", *args.guide_scale.split(), *args.extra.split()]
     if args.lora_rank:

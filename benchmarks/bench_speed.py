@@ -64,6 +64,18 @@ def timed(fn, device, repeats: int) -> list[float]:
     return out
 
 
+def set_vram_cap(device, gib: float | None) -> float | None:
+    """Limit this process to `gib` GiB of the current CUDA card (None: no limit); returns the cap."""
+    if gib is None:
+        return None
+    if device.type != "cuda":
+        raise SystemExit("--vram-cap-gib needs a CUDA GPU")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * (1 << 30) / total), index)
+    return gib
+
+
 class Step:
     """One denoising step (t = 999, the first of a 1-step schedule) through pipeline.denoise."""
 

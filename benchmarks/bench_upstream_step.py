@@ -49,13 +49,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from bench_fast import load_upstream_module, set_vram_cap  # noqa: E402
+from bench_fast import load_upstream_module  # noqa: E402
 from bench_speed import (  # noqa: E402
     SHAPES,
     Step,
     load_random_expert,
     rel_error,
     run_case,
+    set_vram_cap,
     summary_head,
     sync,
     timed,

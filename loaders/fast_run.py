@@ -18,13 +18,21 @@ from ..wan import i2v
 from ..wan.block_swap import resolve_swap_blocks
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
 from ..wan.config import SampleConfig
-from ..wan.fast import CHUNK_FRAMES, FastConfig, FastSession, fast_frame_num, fast_latent_frames
+from ..wan.fast import (
+    CHUNK_FRAMES,
+    FastConfig,
+    FastSession,
+    fast_frame_num,
+    fast_latent_frames,
+    kv_cache_bytes_for,
+)
 from ..wan.fast_camera import KeySteering, parse_keys_line, pose_camera
 from ..wan.pipeline import frames_to_uint8
 from .camera_files import CameraInput
 from .experts import ExpertSwitcher
 from .fast_checkpoint import FastFiles
 from .formats import ExpertSource
+from .planner import decode_vram, expert_vram
 
 KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
 REAL_TIME_FPS = 16  # the video's frame rate: a chunk produced faster than this keeps up with playback
@@ -305,9 +313,6 @@ def fast_memory(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize
                 tile=None) -> FastMemory:  # fmt: skip
     """Predicted peak VRAM of a Fast run's chunk loop (text encode and first-frame encode come before the
     model loads and are smaller)."""
-    from ..wan.fast import kv_cache_bytes_for
-    from .planner import decode_vram, expert_vram
-
     cfg = files.config
     lat_f, lat_h, lat_w = lat_shape
     tokens = CHUNK_FRAMES * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])

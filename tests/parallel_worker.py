@@ -18,13 +18,19 @@ from lingbot_world.wan.parallel import SequenceParallel  # noqa: E402
 GRID = (3, 3, 5)  # 45 tokens: padded for world sizes 2 and 4
 
 
-def tiny_inputs():
-    g = torch.Generator().manual_seed(3)
+def grid_inputs(seed: int = 3, text_dim: int = 32):
+    """(x, y, context, cam) at GRID: noise, i2v condition, 7 text tokens, a small camera tensor."""
+    g = torch.Generator().manual_seed(seed)
     f, h, w = GRID
     x = torch.randn(16, f, 2 * h, 2 * w, generator=g)
     y = torch.randn(20, f, 2 * h, 2 * w, generator=g)
     cam = 0.1 * torch.randn(1, 384, f, 2 * h, 2 * w, generator=g)
-    context = torch.randn(7, 32, generator=g)
+    context = torch.randn(7, text_dim, generator=g)
+    return x, y, context, cam
+
+
+def tiny_inputs():
+    x, y, context, cam = grid_inputs()
     return x, torch.tensor([700.0]), context, y, cam
 
 
@@ -105,13 +111,7 @@ def swap_lora(model):
 
 
 def swap_inputs():
-    g = torch.Generator().manual_seed(4)
-    f, h, w = GRID
-    x = torch.randn(16, f, 2 * h, 2 * w, generator=g)
-    y = torch.randn(20, f, 2 * h, 2 * w, generator=g)
-    cam = 0.1 * torch.randn(1, 384, f, 2 * h, 2 * w, generator=g)
-    context = torch.randn(7, SWAP_CFG.text_dim, generator=g)
-    return x, y, context, cam
+    return grid_inputs(4, SWAP_CFG.text_dim)
 
 
 def swap_forward(model):

@@ -33,6 +33,7 @@ from .loaders import (
     distributed,
     fast_run,
     monitor,
+    stream,
     text_encode,
     video,
 )
@@ -432,8 +433,7 @@ def _run_generate(args) -> int:
     try:
         return _generate(args, device, files, tile, image, plan, output, log, hooks)
     except torch.OutOfMemoryError:
-        vram = memplan.free_memory(device)[0]
-        error = memplan.oom_error(hooks.current, plan.memory and plan.memory.planner, vram)
+        error = memplan.oom_error(hooks.current, plan.memory)
     # outside the handler: the traceback (and the tensors its frames held) is gone
     monitor.free_memory()
     raise error
@@ -442,22 +442,25 @@ def _run_generate(args) -> int:
 def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int:
     settings, (h, w) = plan.settings, plan.size[2:]
     lead = distributed.rank() == 0  # the rank that encodes text, runs the VAE, reports and writes the MP4
+    enc_tile = dec_tile = tile
+    if tile == "auto" and plan.memory is not None and plan.memory.budget is not None:
+        enc_tile, dec_tile = plan.memory.encode_tile, plan.memory.vae_tile  # the tiles the plan checked
     if lead:
         print(plan.memory.table())
     phase = hooks.in_phase
 
+    # guide scale 1 throughout runs no CFG: the negative prompt is never used, so it is not encoded
+    prompts = [args.prompt, args.n_prompt or settings.negative_prompt][: 2 if plan.needs_negative else 1]
     with phase("text_encode"):
-        context = context_null = None
-        if lead:
-            context, context_null = text_encode.encode_prompts(
-                files.text_encoder, [args.prompt, args.n_prompt or settings.negative_prompt],
-                tokenizer_path=files.tokenizer, mode=args.t5_mode,
-                device="cpu" if args.t5_cpu else str(device),
+        context = None
+        if lead:  # while the child encodes, this process imports what the experts' loader needs
+            context = text_encode.encode_prompts(
+                files.text_encoder, prompts, tokenizer_path=files.tokenizer, mode=args.t5_mode,
+                device="cpu" if args.t5_cpu else str(device), while_waiting=stream.preload_libraries,
             )  # fmt: skip
         if plan.ulysses_size > 1:
-            context, context_null = distributed.broadcast_tensors(
-                None if context is None else [context, context_null], device
-            )
+            context = distributed.broadcast_tensors(context, device)
+        context, context_null = (*context, None)[:2]
     with phase("camera"):
         inputs = plan.inputs(image, context, context_null, device)
     del context, context_null
@@ -476,7 +479,7 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
     hooks.progress = lambda i, n, latent: bar.update(1)
     try:
         # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
-        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=tile)) if lead else None
+        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=enc_tile)) if lead else None
         latent = pipeline.sample(
             vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
         )  # fmt: skip
@@ -490,7 +493,7 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
         save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
     hooks.check()
     with phase("vae_decode"):
-        frames = vae.decode(latent, tile=tile)
+        frames = vae.decode(latent, tile=dec_tile)
     with phase("write_mp4"):
         video.write_mp4(
             pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite
@@ -670,7 +673,7 @@ def run_fast(args) -> int:
     try:
         _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks)
     except torch.OutOfMemoryError:
-        error = memplan.oom_error(hooks.current, None, memplan.free_memory(device)[0])
+        error = memplan.oom_error(hooks.current, None)
     except KeyboardInterrupt:
         if sink.dir is not None and sink.count:
             print(f"{sink.count} frames were written to {sink.dir} before the interrupt", file=sys.stderr)

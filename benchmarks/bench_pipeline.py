@@ -14,9 +14,11 @@ Prints one JSON line at the end.
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,9 +46,19 @@ def build_full_checkpoint(root: Path) -> Path:
     if (root / "COMPLETE").is_file():
         return root
     t0 = time.perf_counter()
-    for seed, role in enumerate(("high", "low")):
-        synthetic.write_nf4_expert(root / f"{role}_noise_model_bnb_nf4", A14B, seed=seed, mode="random")
-    write_random_safetensors(root / "umt5_xxl_bf16.safetensors", T5_SCALES["full"])
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(3, mp_context=spawn, initializer=load_pack) as pool:  # ~30 GB to write
+        jobs = [
+            pool.submit(
+                synthetic.write_nf4_expert, root / f"{role}_noise_model_bnb_nf4", A14B, seed, mode="random"
+            )
+            for seed, role in enumerate(("high", "low"))
+        ]
+        jobs.append(
+            pool.submit(write_random_safetensors, root / "umt5_xxl_bf16.safetensors", T5_SCALES["full"])
+        )
+        for job in jobs:
+            job.result()
     write_synthetic_tokenizer(root / "tokenizer", T5_SCALES["full"]["vocab"])
     torch.save(init_random_(WanVAE(**WAN21_VAE_CONFIG)).state_dict(), root / "Wan2.1_VAE.pth")
     (root / "COMPLETE").write_text(f"built in {time.perf_counter() - t0:.1f} s\n")

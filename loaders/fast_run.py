@@ -317,7 +317,7 @@ def fast_memory(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize
     lat_f, lat_h, lat_w = lat_shape
     tokens = CHUNK_FRAMES * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(device_bytes(files.source, quantize), cfg.num_layers, swap)
-    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, tile if isinstance(tile, tuple) else None)
+    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, tile if isinstance(tile, tuple) else None, chunked=True)
     work = max(tokens * FAST_CHUNK_PER_TOKEN, decode)
     return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work)
 

@@ -84,6 +84,7 @@ class PhaseRecord:
     peak_rss_anon: int = 0  # bytes, absolute
     rss_anon_start: int = 0
     peak_vram: int | None = None  # bytes allocated by torch on the device, if CUDA
+    peak_reserved: int | None = None  # bytes its caching allocator held (what a memory cap limits)
 
     def as_dict(self) -> dict:
         gib = 1 << 30
@@ -93,6 +94,7 @@ class PhaseRecord:
             "peak_rss_anon_gib": round(self.peak_rss_anon / gib, 3),
             "rss_anon_growth_gib": round((self.peak_rss_anon - self.rss_anon_start) / gib, 3),
             "peak_vram_gib": None if self.peak_vram is None else round(self.peak_vram / gib, 3),
+            "peak_reserved_gib": None if self.peak_reserved is None else round(self.peak_reserved / gib, 3),
         }
 
 
@@ -117,6 +119,7 @@ class PhaseLog:
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     torch.cuda.synchronize()
                     rec.peak_vram = torch.cuda.max_memory_allocated()
+                    rec.peak_reserved = torch.cuda.max_memory_reserved()
         rec.seconds = time.perf_counter() - t0
         rec.peak_rss_anon, rec.rss_anon_start = sampler.peak, sampler.start_bytes
         self.records.append(rec)

@@ -16,8 +16,10 @@ two random NF4 A14B experts, text encoded in a child process):
   Under sequence parallel (`ulysses_size` N) each rank holds the whole expert but the per-token terms
   of only L/N tokens, plus the all-to-all buffers and the tokens embedded before the split (see
   `activation_vram`); rank 0 alone encodes the text and runs the VAE, so its figures are the largest.
-  With block swap every rank pins its own copy of its swapped blocks, so the denoise's RAM (the host's
-  total) counts N copies; 'auto' swap is resolved by each rank against its own GPU's free VRAM.
+  With block swap the expert is first assembled in host RAM (then its resident part moves to the device),
+  so the denoise's RAM holds the whole expert beside the pinned copies of its swapped blocks. Every rank
+  does this with its own copy, so the denoise's RAM (the host's total) counts N of each; 'auto' swap is
+  resolved by each rank against its own GPU's free VRAM.
   With lean activations (`wan.dit.WanAttentionBlock.forward_lean`) the per-token term counts only the
   tensors that stay full length, plus one chunk's temporaries (see `lean_activation_vram`); 'auto' turns
   it on only when the normal forward would not fit, before any swap.
@@ -50,6 +52,8 @@ ENCODE_PER_PIXEL = 17_690  # encoder chunk activations and cache per output pixe
 ENCODE_PER_PIXEL_FRAME = 18  # the video on the device (fp32 + bf16)
 DECODE_BASE = int(0.39 * GIB)
 DECODE_PER_LATENT_PIXEL = 1_076_700  # decoder caches + activations per latent pixel of a tile
+# the causal caches' share of it (wan.vae's analytic split: 151,328 cache of 212,768 elements per pixel)
+DECODE_CACHE_PER_LATENT_PIXEL = DECODE_PER_LATENT_PIXEL * 151_328 // 212_768
 DECODE_MIN_TILE = 40  # latent pixels a side: 2 * overlap + 8, as wan.vae.pick_tile
 DENOISE_PER_TOKEN = 175_976  # residual stream, q/k/v/attention output, camera tokens, norms (dim 5120)
 DENOISE_BASE = -int(1.09 * GIB)  # fit intercept (allocator reuse across blocks); floored below
@@ -242,11 +246,20 @@ def encode_vram(frame_num: int, lat_f: int, lat_h: int, lat_w: int, tile) -> int
     return int(VAE_BASE + video + ENCODE_PER_PIXEL * area * 64 + accum)
 
 
-def decode_vram(lat_f: int, lat_h: int, lat_w: int, tile) -> int:
+def decode_vram(lat_f: int, lat_h: int, lat_w: int, tile, chunked: bool = False) -> int:
+    """Peak VRAM of a decode with `tile` (None: whole frame). One decode frees each tile's causal caches
+    when the tile is done; `chunked` (a latent handed over piece by piece, as LingBot-World-Fast does)
+    keeps every tile's caches for the next piece."""
     area = lat_h * lat_w if tile is None else min(tile[0], lat_h) * min(tile[1], lat_w)
     video = 3 * (FRAME_STEP * (lat_f - 1) + 1) * lat_h * lat_w * 64 * 4
     weights = 0 if tile is None else lat_h * lat_w * 64 * 4  # the blend weight sum
-    return DECODE_BASE + video + weights + area * DECODE_PER_LATENT_PIXEL
+    others = 0
+    if chunked and tile is not None:
+        spans = len(tile_spans(lat_h, tile[0], DEFAULT_OVERLAP)) * len(
+            tile_spans(lat_w, tile[1], DEFAULT_OVERLAP)
+        )
+        others = (spans - 1) * area * DECODE_CACHE_PER_LATENT_PIXEL
+    return DECODE_BASE + video + weights + area * DECODE_PER_LATENT_PIXEL + others
 
 
 def auto_tile(lat_f: int, lat_h: int, lat_w: int, budget: int | None):
@@ -279,6 +292,7 @@ class MemoryPlan:
     encode_tile: object = None  # the first-frame encode's tile (None: whole frame)
     ranks: int = 1  # sequence-parallel ranks: VRAM figures are rank 0's GPU, RAM the host's total
     lean_activations: bool = False  # the denoise figures are for lean blocks ('auto' resolved)
+    budget: int | None = None  # the free VRAM it was planned for ('auto' settings resolved against it)
 
     @property
     def peak_vram(self) -> int:
@@ -396,20 +410,23 @@ class Planner:
             nbytes = int(r.expert_bytes[name])
             weights = expert_vram(nbytes, cfg.num_layers, swap)
             pinned = int(swap) * (nbytes // max(cfg.num_layers, 1))  # host copies of the swapped blocks
+            # with swap the expert is assembled in host RAM first (loaders.experts), beside those copies
+            assembled = nbytes if swap else 0
             vram = weights + int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
             note = f"expert {nbytes / GIB:.2f} GiB" + (f", {swap} blocks in pinned RAM" if swap else "")
             if ranks > 1:
                 if swap:  # each rank is a process with its own expert: it pins its own swapped blocks
                     pinned *= ranks
+                    assembled *= ranks
                     note += f" on each of {ranks} ranks ({pinned / GIB:.2f} GiB pinned in all)"
                 note += f", {-(-tokens // ranks):,} tokens per rank"
             if lean:
                 note += ", lean activations"
-            denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + pinned, note))
+            denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + assembled + pinned, note))
 
         tile = r.vae_tile
-        if tile == "auto":
-            tile = auto_tile(lat_f, lat_h, lat_w, budget)
+        if tile == "auto":  # the tile the run decodes with (the CLI passes it on), with the same headroom
+            tile = auto_tile(lat_f, lat_h, lat_w, auto_budget)
         dec_ram = PROCESS_RAM + 3 * self.frame_num * pixels  # the uint8 video for the MP4
         decode = Phase(
             "vae_decode", decode_vram(lat_f, lat_h, lat_w, tile), dec_ram, f"tile {_tile_text(tile)}"
@@ -422,7 +439,7 @@ class Planner:
         return MemoryPlan(
             phases=phases, swap_blocks=int(swap), vae_tile=tile, tokens=tokens, size=self.size,
             frame_num=self.frame_num, planner=self, encode_tile=enc_tile, ranks=ranks,
-            lean_activations=bool(lean),
+            lean_activations=bool(lean), budget=budget,
         )  # fmt: skip
 
     def _fits_denoise(self, act: int, lora: dict, budget: int, swap) -> bool:
@@ -624,22 +641,23 @@ def free_memory(device) -> tuple:
     return vram, ram
 
 
-def oom_error(phase: str | None, planner: Planner | None, free_vram: int | None, names: dict | None = None):
-    """A MemoryPlanError for a CUDA out-of-memory that happened anyway: the phase, what the plan had
-    predicted for it, and settings that fit with a margin for what the plan missed."""
+def oom_error(phase: str | None, plan: MemoryPlan | None, names: dict | None = None):
+    """A MemoryPlanError for a CUDA out-of-memory that happened anyway: the phase, what the run's `plan`
+    had predicted for it, and settings that fit with a margin for what the plan missed."""
     where = phase or "the run"
-    if planner is None:
+    if plan is None:
         return MemoryPlanError(where, f"CUDA ran out of memory during {where}; models released", [])
-    plan = planner.plan(free_vram)
     predicted = next((p for p in plan.phases if p.name == phase), None)
-    said = f" (the plan predicted {predicted.vram / GIB:.1f} GiB" if predicted else " (plan peak "
-    said += f"{plan.peak_vram / GIB:.1f} GiB)" if predicted is None else ")"
-    free = f", {free_vram / GIB:.1f} GiB free" if free_vram is not None else ""
-    msg = f"CUDA ran out of memory during {where}{said}{free}; models released"
-    budget = None
-    if free_vram is not None and predicted is not None:
-        budget = int(min(free_vram, predicted.vram) * 0.9)  # what the card really gave, less a margin
-    fixes = planner.suggestions(budget) if budget else []
+    said = f"{predicted.vram / GIB:.1f} GiB" if predicted else f"a peak of {plan.peak_vram / GIB:.1f} GiB"
+    if plan.budget is not None:
+        said += f" of {plan.budget / GIB:.1f} GiB free"
+    msg = f"CUDA ran out of memory during {where} (the plan predicted {said}); models released"
+    fixes = []
+    if plan.budget is not None and plan.planner is not None:
+        need = predicted.vram if predicted else plan.peak_vram
+        fixes = plan.planner.suggestions(
+            int(min(plan.budget, need) * 0.9)
+        )  # what the card gave, less a margin
     text = format_suggestions(fixes, names)
     if text:
         msg += f"; settings that would fit: {text}"

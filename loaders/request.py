@@ -65,8 +65,21 @@ class Plan:
     def tokens(self) -> int:
         return i2v.seq_len(i2v.latent_frames(self.frame_num), *self.size[:2])
 
-    def check_text(self, context: torch.Tensor, context_null: torch.Tensor) -> None:
+    @property
+    def needs_negative(self) -> bool:
+        """Whether any step runs CFG (guide scale not 1): only then is the negative prompt used."""
+        return any(g != 1 for g in self.settings.guide_scale)
+
+    def check_text(self, context: torch.Tensor, context_null: torch.Tensor | None) -> None:
+        """Both embeddings checked; `context_null` may be None when no step runs CFG."""
+        if context_null is None and self.needs_negative:
+            raise RequestError(
+                "context_null",
+                f"guide scale {self.settings.guide_scale} runs CFG and needs the negative prompt's embeddings",
+            )
         for name, t in (("context", context), ("context_null", context_null)):
+            if name == "context_null" and t is None:
+                continue
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] < 1:
                 shape = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise RequestError(

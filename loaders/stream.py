@@ -9,6 +9,7 @@ NF4 (blocksize 64, double quant) one at a time as they arrive. Host memory above
 within the staging buffers plus one tensor (for a CPU target, plus the model itself).
 """
 
+import importlib
 import sys
 import traceback
 from collections import defaultdict
@@ -36,6 +37,15 @@ NF4_ARGS = dict(blocksize=64, compress_statistics=True, quant_type="nf4")
 STAGING_BYTES = 64 << 20  # per buffer; two buffers alternate
 QUANT_CHUNK = 1 << 18  # elements per CPU quantization step, a multiple of the blocksize
 _ALIGN = 256
+
+
+def preload_libraries() -> None:
+    """Import bitsandbytes now (seconds: it registers its kernels with torch), for a caller that is waiting
+    anyway (on the text encoder's child process). A failed import is left for the loader to report."""
+    try:
+        importlib.import_module("bitsandbytes")
+    except Exception:  # noqa: BLE001 - the loader's own import raises it where it is needed
+        pass
 
 
 def build_expert_meta(

@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -176,11 +177,13 @@ def encode_prompts(
     text_len: int = TEXT_LEN,
     use_cache: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
+    while_waiting: Callable[[], None] | None = None,
 ) -> list[torch.Tensor]:
     """Embeddings [tokens, 4096] (bf16, CPU) for each prompt, in order.
 
     encoder_path: upstream .pth or ComfyUI umT5 .safetensors; tokenizer_path: see resolve_tokenizer.
     device: where the encoder runs ('cpu', 'cuda', 'cuda:1'). cache_dir: None = default_cache_dir().
+    while_waiting: work for this process while the child encodes (subprocess mode, on a cache miss).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -207,7 +210,9 @@ def encode_prompts(
     todo = [p for p in dict.fromkeys(prompts) if p not in found]
     if todo:
         if mode == "subprocess":
-            embs, _ = encode_in_subprocess(encoder_path, todo, source, device, text_len, timeout)
+            embs, _ = encode_in_subprocess(
+                encoder_path, todo, source, device, text_len, timeout, while_waiting
+            )
         else:
             embs, _ = encode_in_process(encoder_path, todo, source, device, text_len)
         for p, e in zip(todo, embs, strict=True):
@@ -366,8 +371,10 @@ def encode_in_subprocess(
     device="cpu",
     text_len: int = TEXT_LEN,
     timeout: float = DEFAULT_TIMEOUT_S,
+    while_waiting: Callable[[], None] | None = None,
 ):
     """Encode in a child Python that exits afterwards. -> (embeddings, the child's report). No cache.
+    `while_waiting()` runs here once the child has started (its time counts towards `timeout`).
 
     The child gets every path absolute, deletes its request file (the prompts) as soon as it has
     read it, and dies with this process (Linux; elsewhere it notices within a second). A child that
@@ -414,7 +421,11 @@ def encode_in_subprocess(
                 _kill_children_in(work)
                 raise
             try:
-                rc = proc.wait(timeout=timeout)
+                start = time.monotonic()
+                if while_waiting is not None:
+                    while_waiting()
+                left = None if timeout is None else max(timeout - (time.monotonic() - start), 0)
+                rc = proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
                 _stop(proc)
                 raise TimeoutError(

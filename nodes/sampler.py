@@ -190,7 +190,7 @@ class LingBotSampler:
             )  # fmt: skip
         except torch.OutOfMemoryError:
             experts.close()
-            error = memplan.oom_error(hooks.current, plan.memory.planner, check.free_vram, PLAN_NAMES)
+            error = memplan.oom_error(hooks.current, plan.memory, PLAN_NAMES)
         except BaseException as e:
             experts.close()  # errors and interrupts also drop what keep_in_ram_gb parked
             log.info("LingBot-World sampling stopped (%s); experts released", type(e).__name__)

@@ -87,7 +87,7 @@ def test_bench_pipeline(tmp_path):
     for p in phases:
         assert p["seconds"] > 0, p
         assert p["peak_rss_anon_gib"] > 0 and 0 <= p["rss_anon_growth_gib"] <= p["peak_rss_anon_gib"], p
-        assert p["peak_vram_gib"] is None, p  # CPU run
+        assert p["peak_vram_gib"] is None and p["peak_reserved_gib"] is None, p  # CPU run
     assert sum(p["seconds"] for p in phases) <= s["wall_s"] + 0.05  # phases do not overlap
     # the text encoder ran in a child process: the parent grew by the embeddings only
     assert phases[0]["rss_anon_growth_gib"] < 0.05

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 from lingbot_world.wan.config import A14B, DiTConfig
-from lingbot_world.wan.dit import WanModel, init_random_, rope_apply, rope_freqs
+from lingbot_world.wan.dit import WanModel, init_random_, rope_apply, rope_freqs, rope_table
 
 TINY = DiTConfig(dim=64, ffn_dim=128, num_heads=4, num_layers=2, text_dim=32, freq_dim=32)
 
@@ -160,6 +160,23 @@ def test_rope_identity_at_origin_and_rotation_elsewhere():
     assert not torch.allclose(out[5].double(), x[5], atol=1e-3)
     # A rotation preserves the norm of every complex pair.
     assert torch.allclose(out.double().norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_table_equals_complex_rope(monkeypatch, dtype):
+    """Compiled blocks get each token's rotation as real (cos, sin) pairs: the same float64 products, so
+    the same values; the complex path's token chunks (7 tokens here) change nothing either."""
+    from lingbot_world.wan import dit
+
+    freqs, grid = rope_freqs(128), (3, 4, 5)
+    table = rope_table(grid, freqs)
+    assert table.shape == (60, 1, 64, 2) and table.dtype == torch.float64 and table.is_contiguous()
+    x = torch.randn(60, 3, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    real = rope_apply(x, grid, table, dtype)
+    monkeypatch.setattr(dit, "ROPE_CHUNK", 7)
+    complex_ = rope_apply(x, grid, freqs, dtype)
+    assert real.dtype == dtype and torch.equal(real, complex_)
+    assert not torch.equal(real, x)
 
 
 def test_chunked_ffn_matches_one_pass(monkeypatch):

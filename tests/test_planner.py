@@ -126,8 +126,46 @@ def test_oom_becomes_clear_message(demo_ckpt, tmp_path, monkeypatch, capsys):
     assert rc == 2 and "Traceback" not in err
     assert "CUDA ran out of memory during denoise_high" in err and "the plan predicted" in err
     assert "models released" in err and closed
-    e = mp.oom_error("denoise_low", planner(720, 1280), 20 * GIB)
+    e = mp.oom_error("denoise_low", planner(720, 1280).plan(20 * GIB))
     assert "denoise_low" in str(e) and "--swap_blocks" in str(e)
+
+
+def test_run_uses_the_planned_vae_tiles(demo_ckpt, tmp_path, monkeypatch):
+    """With --vae_tile auto and a plan made against a budget, the encode and decode run with the tiles the
+    plan checked (not a second pick from the VRAM free at that moment)."""
+    from dataclasses import replace
+
+    from lingbot_world.wan.vae import WanVAE
+
+    real_prepare, used = cli.prepare_generate, {}
+
+    def prepare(args, **kw):
+        device, files, tile, image, plan = real_prepare(args, **kw)
+        planned = replace(plan.memory, encode_tile=(40, 41), vae_tile=(41, 44), budget=10 * GIB)
+        return device, files, tile, image, replace(plan, memory=planned)
+
+    def spy(name):
+        real = getattr(WanVAE, name)
+
+        def run(self, x, tile=None, **kw):
+            used[name] = tile
+            return real(self, x, tile=tile, **kw)
+
+        return run
+
+    monkeypatch.setattr(cli, "prepare_generate", prepare)
+    monkeypatch.setattr(WanVAE, "encode", spy("encode"))
+    monkeypatch.setattr(WanVAE, "decode", spy("decode"))
+    argv = generate_argv(demo_ckpt, "--output", str(tmp_path / "o.mp4"), "--sampling_steps", "2")
+    assert cli.main(["generate", *argv]) == 0
+    assert used == {"encode": (40, 41), "decode": (41, 44)}
+
+
+def test_auto_decode_tile_keeps_headroom():
+    budget = 12 * GIB
+    plan = planner(720, 1280).plan(budget)
+    assert plan.vae_tile is not None and plan.budget == budget
+    assert plan.phase("vae_decode").vram <= budget * (1 - mp.AUTO_HEADROOM)
 
 
 def test_doctor_fails_clearly_without_gpu(monkeypatch, tmp_path, capsys):
@@ -290,14 +328,17 @@ def test_ulysses_plan_is_per_rank():
 
 
 def test_ulysses_plan_with_block_swap_counts_every_ranks_pinned_blocks():
-    """Each rank pins its own copy of its swapped blocks: the denoise RAM (the host's) counts N of them."""
+    """Each rank assembles its expert in host RAM and pins its own copy of its swapped blocks: the denoise
+    RAM (the host's) counts N of each."""
     block = NF4 // A14B.num_layers
     one = planner(720, 1280, 81, t5_device="cpu", swap_blocks=10).plan()
-    assert one.phase("denoise_high").ram == mp.PROCESS_RAM + 10 * block
+    assert one.phase("denoise_high").ram == mp.PROCESS_RAM + NF4 + 10 * block
+    resident = planner(720, 1280, 81, t5_device="cpu").plan()  # no swap: loaded straight to the device
+    assert resident.phase("denoise_high").ram == mp.PROCESS_RAM
     for n in (2, 4):
         plan = planner(720, 1280, 81, t5_device="cpu", swap_blocks=10, ulysses_size=n).plan()
         den = plan.phase("denoise_high")
-        assert den.ram == n * (mp.PROCESS_RAM + 10 * block)
+        assert den.ram == n * (mp.PROCESS_RAM + NF4 + 10 * block)
         assert (
             den.vram
             == planner(720, 1280, 81, t5_device="cpu", ulysses_size=n).plan().phase("denoise_high").vram
@@ -346,3 +387,10 @@ def test_plan_subcommand_prints_per_rank_figures(demo_ckpt, capsys):
     assert "sequence parallel over 2 ranks" in out and "ranks 1-1:" in out and "tokens per rank" in out
     assert cli.main(["plan", *generate_argv(demo_ckpt, "--ulysses_size", "3")]) == 2  # 4 heads
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_chunked_tiled_decode_counts_every_tile_cache():
+    one_shot, chunked = (mp.decode_vram(21, 90, 160, (90, 88), chunked=c) for c in (False, True))
+    # two tiles: the chunked stream keeps the other tile's caches too
+    assert chunked - one_shot == 90 * 88 * mp.DECODE_CACHE_PER_LATENT_PIXEL
+    assert mp.decode_vram(21, 90, 160, None, chunked=True) == mp.decode_vram(21, 90, 160, None)

@@ -115,6 +115,36 @@ def test_inputs_pack_the_camera_and_check_the_text(shipped_example):
         p.inputs(image, torch.zeros(5, 16), ctx, "cpu")
     with pytest.raises(request.RequestError, match="context_null"):
         p.inputs(image, ctx, torch.zeros(5), "cpu")
+    # guide scale 1 throughout runs no CFG: no negative embeddings needed; any CFG step needs them
+    assert p.needs_negative and not plan(settings=replace(DEFAULTS, guide_scale=(1.0, 1.0))).needs_negative
+    assert (
+        plan(settings=replace(DEFAULTS, guide_scale=(1.0, 1.0))).inputs(image, ctx, None, "cpu")[
+            "context_null"
+        ]
+        is None
+    )
+    with pytest.raises(request.RequestError, match="context_null: guide scale .* needs the negative"):
+        plan(settings=replace(DEFAULTS, guide_scale=(1.0, 3.0))).inputs(image, ctx, None, "cpu")
+
+
+@pytest.mark.parametrize("guide, encoded", [(["1"], 1), (["1", "2"], 2), (["5"], 2)])
+def test_cli_encodes_the_negative_prompt_only_for_cfg(
+    ckpt, shipped_example, tmp_path, monkeypatch, guide, encoded
+):
+    from lingbot_world.loaders import text_encode
+
+    real, seen = text_encode.encode_prompts, []
+    monkeypatch.setattr(
+        text_encode,
+        "encode_prompts",
+        lambda path, prompts, **kw: (seen.append(list(prompts)), real(path, prompts, **kw))[1],
+    )
+    monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
+    args = _set(
+        args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess"), "--sampling_steps", "2"
+    )
+    assert cli.main([*args, "--guide_scale", *guide]) == 0
+    assert len(seen) == 1 and len(seen[0]) == encoded and seen[0][0] == "a castle"
 
 
 # ------------------------------------------------------------------ the CLI refuses before anything loads
@@ -238,9 +268,15 @@ def test_sigterm_ends_cleanly(ckpt, shipped_example, tmp_path):
     proc = subprocess.Popen(
         args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    time.sleep(6)  # inside text encoding or sampling
+    head = ""
+    while "\npeak " not in head:  # the memory plan's last line: text encoding starts next
+        line = proc.stdout.readline()
+        assert line, head[-2000:]
+        head += line
+    time.sleep(1)  # inside text encoding (the T5 child is running)
     proc.send_signal(signal.SIGTERM)
     log, _ = proc.communicate(timeout=60)
+    log = head + log
     assert proc.returncode == 143, log[-2000:]
     assert "terminated" in log and "Traceback" not in log
     assert not out.exists() and not list(tmp_path.glob(".*partial*"))

@@ -378,10 +378,16 @@ def test_comfy_style_backend_matches_sdpa(monkeypatch):
 def test_bench_speed_runs_tiny(tmp_path):
     env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--scale", "tiny"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--scale", "tiny", "--profile", "cfg1"],
         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"eager", "cfg1", "floor", "device", "tokens"} <= summary.keys()
+    assert {"eager", "cfg1", "floor", "floor_light", "device", "tokens"} <= summary.keys()
     assert summary["eager"]["step_s"] > 0 and summary["cfg1"]["forwards"] == 1
+    assert summary["floor"]["exact"] and not summary["floor_light"]["exact"]
+    # the profile lists the step's ops by time, the largest first, and sums what it leaves out
+    kernels = summary["cfg1"]["kernels"]
+    assert "kernels" not in summary["eager"] and 2 <= len(kernels) <= 26
+    times = [k["ms"] for k in kernels[:-1]]
+    assert times == sorted(times, reverse=True) and times[0] > 0 and "others" in kernels[-1]["kernel"]

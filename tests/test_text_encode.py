@@ -202,6 +202,29 @@ def test_child_timeout_kills_it(ckpt, tmp_path, monkeypatch):
     assert not _encoder_children()
 
 
+def test_while_waiting_runs_once_while_the_child_encodes(ckpt, tmp_path):
+    """The parent's own work (the CLI imports bitsandbytes there) runs while the child is alive, once,
+    and only when a child runs; an error in it stops the child and is raised as is."""
+    seen = []
+
+    def work():
+        seen.append([c.is_running() for c in _encoder_children()])
+
+    first = _encode(ckpt, "subprocess", tmp_path, while_waiting=work)
+    assert seen == [[True]]
+    again = _encode(ckpt, "subprocess", tmp_path, while_waiting=work)  # cache hit: no child, no call
+    assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+    def broken():
+        raise RuntimeError("parent-side failure")
+
+    with pytest.raises(RuntimeError, match="parent-side failure"):
+        _encode(ckpt, "subprocess", tmp_path / "other", while_waiting=broken)
+    assert not _encoder_children() and not list(
+        Path(tempfile.gettempdir()).glob(f"{tx.WORK_PREFIX}{os.getpid()}_*")
+    )
+
+
 def _run_and_catch(fn):
     box = {}
 

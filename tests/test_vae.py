@@ -325,6 +325,28 @@ def test_chunk_decoder_tiled_equals_tiled_decode(tiny):
     assert torch.equal(got, tiny.decode(z))
 
 
+def test_one_shot_tiled_decode_holds_one_tile_cache(tiny, monkeypatch):
+    """`decode` (no chunk follows) frees each tile's causal caches once the tile is done: while a tile
+    streams, every tile before it holds none, so memory is one tile's, not all of them (chunked
+    decoding keeps them all: the next chunk continues each tile's stream)."""
+    z = torch.randn(16, 3, 7, 9, generator=_gen(13))
+    live = []
+    real = type(tiny.decoder).stream
+
+    def stream(self, x, cache, chunk_frames):
+        live.append(sum(1 for *_, c in dec._tiles if c and c is not cache))
+        yield from real(self, x, cache, chunk_frames)
+
+    monkeypatch.setattr(type(tiny.decoder), "stream", stream)
+    dec = tiny.chunk_decoder(tile=(5, 6), overlap=3)
+    out = dec.decode(z, last=True)
+    assert len(dec._tiles) == 4 and not any(c for *_, c in dec._tiles)
+    assert live and max(live) == 0
+    dec = tiny.chunk_decoder(tile=(5, 6), overlap=3)
+    assert torch.equal(dec.decode(z), out)  # the same frames; the caches stay for a next chunk
+    assert max(live) == 3 and all(c for *_, c in dec._tiles)
+
+
 def test_chunk_decoder_bad_input(tiny):
     dec = tiny.chunk_decoder()
     dec.decode(torch.zeros(16, 3, 4, 4))

@@ -101,6 +101,28 @@ def rope_freqs(head_dim: int) -> torch.Tensor:
     )
 
 
+def rope_positions(grid: tuple, freqs: torch.Tensor) -> torch.Tensor:
+    """The complex128 rotation of every token, [f*h*w, 1, head_dim/2] (a broadcast view of `freqs`)."""
+    f, h, w = grid
+    c = freqs.shape[1]
+    fr = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    return torch.cat(
+        [
+            fr[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            fr[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            fr[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ],
+        dim=-1,
+    ).reshape(f * h * w, 1, -1)
+
+
+def rope_table(grid: tuple, freqs: torch.Tensor) -> torch.Tensor:
+    """`rope_positions` as real (cos, sin) pairs, [f*h*w, 1, head_dim/2, 2] float64, materialized: what
+    compiled blocks get, so the compiler's fused kernel reads each token's pairs instead of rebuilding
+    them from the frequency bands (it cannot take complex tensors at all)."""
+    return torch.view_as_real(rope_positions(grid, freqs)).contiguous()
+
+
 def rope_apply(
     x: torch.Tensor,
     grid: tuple,
@@ -111,20 +133,18 @@ def rope_apply(
     """Rotary embedding over (frame, height, width) in float64, as upstream, rounded to fp32 and then
     to `out_dtype` (upstream rounds to fp32 here and to bf16 inside its attention call).
 
-    x: [L, heads, head_dim] with L = f*h*w. `out`: where to write the result (default: a new tensor);
-    `out=x` rotates in place (each chunk is read whole before it is written), if x has `out_dtype`.
+    x: [L, heads, head_dim] with L = f*h*w. `freqs`: the complex128 table of `rope_freqs`, or the
+    `rope_table` of this grid (compiled blocks: the same float64 products in real arithmetic, one fused
+    kernel). `out`: where to write the result (default: a new tensor); `out=x` rotates in place (each
+    chunk is read whole before it is written), if x has `out_dtype`.
     """
     seq_len, n, c = x.shape[0], x.shape[1], x.shape[2] // 2
-    f, h, w = grid
-    fr = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
-    table = torch.cat(
-        [
-            fr[0][:f].view(f, 1, 1, -1).expand(f, h, w, -1),
-            fr[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
-            fr[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
-        ],
-        dim=-1,
-    ).reshape(seq_len, 1, -1)
+    if not freqs.is_complex():
+        xr = x.to(torch.float64).reshape(seq_len, n, c, 2)
+        a, b, cos, sin = xr[..., 0], xr[..., 1], freqs[..., 0], freqs[..., 1]
+        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(2).float()
+        return rotated.to(out_dtype) if out is None else out.copy_(rotated)
+    table = rope_positions(grid, freqs)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != out_dtype:
@@ -486,6 +506,7 @@ class WanModel(nn.Module):
             )
         freqs = self._rope(x.device)
         run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
+        table = None if run is None else rope_table(grid, freqs)  # compiled blocks: real (cos, sin) pairs
         lean = self.lean_activations
         if lean and run is not None:
             raise ValueError(
@@ -507,7 +528,7 @@ class WanModel(nn.Module):
                     elif run is None:
                         x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
                     else:
-                        x = run(block, x, e0, grid, freqs, context, cam_tokens, dtype)
+                        x = run(block, x, e0, grid, table, context, cam_tokens, dtype)
                     if swap is not None:
                         swap.after(i)
             finally:

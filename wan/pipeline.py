@@ -183,7 +183,8 @@ def sample(
                 latent_image = parallel.broadcast(latent_image)
         y = torch.cat([mask, latent_image.to(device)])
         del latent_image
-        context, context_null = context.to(device), context_null.to(device)
+        context = context.to(device)
+        context_null = None if context_null is None else context_null.to(device)  # None: no step runs CFG
         cam = None if cam is None else cam.to(device)
         return denoise(experts, noise, y, context, context_null, cam, settings, hooks, speed, stats, parallel)
     finally:

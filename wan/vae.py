@@ -445,7 +445,7 @@ class WanVAE(nn.Module):
         (default: the model's device).
         """
         with self.chunk_decoder(tile, overlap, chunk_frames, out_device) as decoder:
-            return decoder.decode(latent)
+            return decoder.decode(latent, last=True)
 
     def chunk_decoder(
         self, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2, out_device=None
@@ -542,9 +542,10 @@ class ChunkDecoder:
                 self._tiles.append((span_y, span_x, wmap, {}))
 
     @torch.no_grad()
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+    def decode(self, latent: torch.Tensor, last: bool = False) -> torch.Tensor:
         """The next normalised latent frames [z, n, h, w] -> their video frames [3, F, 8h, 8w] fp32 in
-        [-1, 1], F = 4(n-1)+1 on the first call and 4n after it."""
+        [-1, 1], F = 4(n-1)+1 on the first call and 4n after it. `last`: no chunk follows, so each tile's
+        cache is freed as soon as the tile is done (one tile's cache alive at a time, not all of them)."""
         if self.closed:
             raise ValueError("ChunkDecoder.decode: the decoder is closed (start a new chunk_decoder)")
         vae = self.vae
@@ -580,6 +581,8 @@ class ChunkDecoder:
                 raise RuntimeError(
                     f"ChunkDecoder: decoder gave {f} frames for {n} latent frames, expected {frames}"
                 )
+            if last:
+                cache.clear()
         del z
         if self._weight_sum is not None:
             out /= self._weight_sum

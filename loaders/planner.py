@@ -413,7 +413,9 @@ class Planner:
             # with swap the expert is assembled in host RAM first (loaders.experts), beside those copies
             assembled = nbytes if swap else 0
             vram = weights + int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
-            note = f"expert {nbytes / GIB:.2f} GiB" + (f", {swap} blocks in pinned RAM" if swap else "")
+            note = f"expert {nbytes / GIB:.2f} GiB" + (
+                f" (assembled in host RAM), {swap} blocks in pinned RAM" if swap else ""
+            )
             if ranks > 1:
                 if swap:  # each rank is a process with its own expert: it pins its own swapped blocks
                     pinned *= ranks

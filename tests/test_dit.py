@@ -165,18 +165,28 @@ def test_rope_identity_at_origin_and_rotation_elsewhere():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rope_table_equals_complex_rope(monkeypatch, dtype):
     """Compiled blocks get each token's rotation as real (cos, sin) pairs: the same float64 products, so
-    the same values; the complex path's token chunks (7 tokens here) change nothing either."""
+    the same values. Run eagerly (a compile that fell back), the table also goes in token chunks."""
     from lingbot_world.wan import dit
 
     freqs, grid = rope_freqs(128), (3, 4, 5)
     table = rope_table(grid, freqs)
     assert table.shape == (60, 1, 64, 2) and table.dtype == torch.float64 and table.is_contiguous()
     x = torch.randn(60, 3, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
-    real = rope_apply(x, grid, table, dtype)
+    whole = rope_apply(x, grid, table, dtype)
     monkeypatch.setattr(dit, "ROPE_CHUNK", 7)
+    rows, real_rotate = [], dit._rotate_pairs
+    monkeypatch.setattr(
+        dit, "_rotate_pairs", lambda x, t, d: (rows.append(x.shape[0]), real_rotate(x, t, d))[1]
+    )
+    chunked = rope_apply(x, grid, table, dtype)
+    assert max(rows) == 7 and sum(rows) == 60  # bounded float64 temporaries
     complex_ = rope_apply(x, grid, freqs, dtype)
-    assert real.dtype == dtype and torch.equal(real, complex_)
-    assert not torch.equal(real, x)
+    assert whole.dtype == dtype and torch.equal(whole, complex_) and torch.equal(chunked, complex_)
+    in_place = x.clone()
+    assert rope_apply(in_place, grid, table, dtype, out=in_place) is in_place and torch.equal(
+        in_place, complex_
+    )
+    assert not torch.equal(whole, x)
 
 
 def test_chunked_ffn_matches_one_pass(monkeypatch):

@@ -339,9 +339,14 @@ def test_one_shot_tiled_decode_holds_one_tile_cache(tiny, monkeypatch):
 
     monkeypatch.setattr(type(tiny.decoder), "stream", stream)
     dec = tiny.chunk_decoder(tile=(5, 6), overlap=3)
+    tiles = []
+    real_close = dec.close
+    dec.close = lambda: (tiles.extend(dec._tiles), real_close())[1]  # what the tiles held when it closed
     out = dec.decode(z, last=True)
-    assert len(dec._tiles) == 4 and not any(c for *_, c in dec._tiles)
+    assert len(tiles) == 4 and not any(c for *_, c in tiles)
     assert live and max(live) == 0
+    with pytest.raises(ValueError, match="closed"):  # nothing follows a last chunk
+        dec.decode(z)
     dec = tiny.chunk_decoder(tile=(5, 6), overlap=3)
     assert torch.equal(dec.decode(z), out)  # the same frames; the caches stay for a next chunk
     assert max(live) == 3 and all(c for *_, c in dec._tiles)

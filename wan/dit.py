@@ -123,6 +123,13 @@ def rope_table(grid: tuple, freqs: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rope_positions(grid, freqs)).contiguous()
 
 
+def _rotate_pairs(x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tensor:
+    """x [l, heads, 2c] rotated by `rope_table` rows [l, 1, c, 2]: the complex product in real float64."""
+    xr = x.to(torch.float64).reshape(x.shape[0], x.shape[1], -1, 2)
+    a, b, cos, sin = xr[..., 0], xr[..., 1], table[..., 0], table[..., 1]
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(2).float().to(out_dtype)
+
+
 def rope_apply(
     x: torch.Tensor,
     grid: tuple,
@@ -134,17 +141,25 @@ def rope_apply(
     to `out_dtype` (upstream rounds to fp32 here and to bf16 inside its attention call).
 
     x: [L, heads, head_dim] with L = f*h*w. `freqs`: the complex128 table of `rope_freqs`, or the
-    `rope_table` of this grid (compiled blocks: the same float64 products in real arithmetic, one fused
-    kernel). `out`: where to write the result (default: a new tensor); `out=x` rotates in place (each
-    chunk is read whole before it is written), if x has `out_dtype`.
+    `rope_table` of this grid: the same float64 products in real arithmetic (equal values on the CPU),
+    which a compiled block fuses into one kernel over the whole sequence. Run eagerly, both go in token
+    chunks (bounded float64 temporaries). `out`: where to write the result (default: a new tensor);
+    `out=x` rotates in place (each chunk is read whole before it is written), if x has `out_dtype`.
     """
-    seq_len, n, c = x.shape[0], x.shape[1], x.shape[2] // 2
+    seq_len, n = x.shape[0], x.shape[1]
     if not freqs.is_complex():
-        xr = x.to(torch.float64).reshape(seq_len, n, c, 2)
-        a, b, cos, sin = xr[..., 0], xr[..., 1], freqs[..., 0], freqs[..., 1]
-        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(2).float()
-        return rotated.to(out_dtype) if out is None else out.copy_(rotated)
-    table = rope_positions(grid, freqs)
+        if out is None and torch.compiler.is_compiling():
+            return _rotate_pairs(x, freqs, out_dtype)
+
+        def rotate(s, e):
+            return _rotate_pairs(x[s:e], freqs[s:e], out_dtype)
+    else:
+        table = rope_positions(grid, freqs)
+
+        def rotate(s, e):
+            xc = torch.view_as_complex(x[s:e].to(torch.float64).reshape(e - s, n, -1, 2))
+            return torch.view_as_real(xc * table[s:e]).flatten(2).float()
+
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != out_dtype:
@@ -153,8 +168,7 @@ def rope_apply(
         )
     for s in range(0, seq_len, ROPE_CHUNK):
         e = min(s + ROPE_CHUNK, seq_len)
-        xc = torch.view_as_complex(x[s:e].to(torch.float64).reshape(e - s, n, -1, 2))
-        out[s:e] = torch.view_as_real(xc * table[s:e]).flatten(2).float()
+        out[s:e] = rotate(s, e)
     return out
 
 
@@ -506,7 +520,8 @@ class WanModel(nn.Module):
             )
         freqs = self._rope(x.device)
         run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
-        table = None if run is None else rope_table(grid, freqs)  # compiled blocks: real (cos, sin) pairs
+        compiled = run is not None and not getattr(run, "failed", False)
+        table = rope_table(grid, freqs) if compiled else None  # compiled blocks: real (cos, sin) pairs
         lean = self.lean_activations
         if lean and run is not None:
             raise ValueError(
@@ -528,7 +543,9 @@ class WanModel(nn.Module):
                     elif run is None:
                         x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
                     else:
-                        x = run(block, x, e0, grid, table, context, cam_tokens, dtype)
+                        x = run(
+                            block, x, e0, grid, freqs if table is None else table, context, cam_tokens, dtype
+                        )
                     if swap is not None:
                         swap.after(i)
             finally:

@@ -545,7 +545,8 @@ class ChunkDecoder:
     def decode(self, latent: torch.Tensor, last: bool = False) -> torch.Tensor:
         """The next normalised latent frames [z, n, h, w] -> their video frames [3, F, 8h, 8w] fp32 in
         [-1, 1], F = 4(n-1)+1 on the first call and 4n after it. `last`: no chunk follows, so each tile's
-        cache is freed as soon as the tile is done (one tile's cache alive at a time, not all of them)."""
+        cache is freed as soon as the tile is done (one tile's cache alive at a time, not all of them) and
+        the decoder closes."""
         if self.closed:
             raise ValueError("ChunkDecoder.decode: the decoder is closed (start a new chunk_decoder)")
         vae = self.vae
@@ -588,6 +589,8 @@ class ChunkDecoder:
             out /= self._weight_sum
         self.latent_frames += n
         self.frames += frames
+        if last:
+            self.close()
         return out.clamp_(-1, 1)
 
 

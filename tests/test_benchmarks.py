@@ -206,7 +206,7 @@ def test_bench_upstream_step_ours_alone(tmp_path):
     assert s["bench"] == "upstream_step" and s["tokens"] == 12 and s["guide_scale"] == 5.0
     ours = s["ours"]
     assert ours["forwards"] == 2 and ours["step_s"] == min(ours["steps_s"]) > 0
-    assert ours["est_70_steps_s"] == pytest.approx(ours["step_s"] * 70, abs=0.05)
+    assert ours["est_70_steps_s"] == round(ours["step_s"] * 70, 1)  # the summary rounds to 0.1 s
     assert s["upstream"] == {"skipped": "no --upstream"} and "ours_over_upstream" not in s
 
 
@@ -219,7 +219,7 @@ def test_bench_upstream_step(tmp_path):
     assert up["build"]["linear4bit"] == up["build"]["from_stored_4bit"] > 0
     assert up["attention"].startswith("SDPA stand-in") and up["autocast"].startswith("none")
     assert up["forwards"] == ours["forwards"] == 2 and up["step_s"] == min(up["steps_s"]) > 0
-    assert up["est_70_steps_s"] == pytest.approx(up["step_s"] * 70, abs=0.05)
+    assert up["est_70_steps_s"] == round(up["step_s"] * 70, 1)
     assert s["ours_over_upstream"] == pytest.approx(ours["step_s"] / up["step_s"], rel=1e-2)
     # the same weights and inputs: upstream's CFG prediction is ours up to bf16 compute
     assert 0 < up["cfg_pred_rel_diff_vs_ours"] < 0.02

@@ -62,6 +62,13 @@ def process_group(size: int, device: str):
         dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
         yield device
+        if kind != "cuda":
+            # gloo: a rank that tears its connections down while a peer's last work is still in flight
+            # can make that peer abort at exit ("terminate called without an active exception"), so
+            # ranks that finished wait for each other. A rank that failed has left already, which ends
+            # this barrier with an error rather than a wait (not so with NCCL, hence gloo only).
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
     finally:
         dist.destroy_process_group()
 

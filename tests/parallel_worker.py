@@ -1,7 +1,9 @@
 """Rank bodies for tests/test_parallel.py, spawned with torch.multiprocessing (importable by name)."""
 
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -11,7 +13,7 @@ load_pack()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lingbot_world.loaders import synthetic  # noqa: E402
+from lingbot_world.loaders import distributed, synthetic  # noqa: E402
 from lingbot_world.wan.dit import WanModel, init_random_  # noqa: E402
 from lingbot_world.wan.parallel import SequenceParallel  # noqa: E402
 
@@ -178,3 +180,28 @@ def cached_rank(rank, world, port, out_dir, nf4_dir):
         torch.save({"latent": latent, "stats": stats}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def group_rank(rank, world, port, out_dir, fail_rank=None):
+    """Inside `loaders.distributed.process_group` as torchrun would start it: one all-reduce, then rank
+    `fail_rank` raises on its way out while the others finish. Each rank records how it left."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    t0 = time.monotonic()
+    try:
+        with distributed.process_group(world, "cpu"):
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            if rank == fail_rank:
+                raise RuntimeError(f"injected failure on rank {rank}")
+    except RuntimeError as err:
+        status = str(err)
+    else:
+        status = f"ok {total.item():g}"
+    record = {"status": status, "initialized": dist.is_initialized(), "seconds": time.monotonic() - t0}
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(record))

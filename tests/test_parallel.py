@@ -38,6 +38,19 @@ def test_failure_on_rank_1_stops_both_ranks(tmp_path):
     assert "injected failure on rank 1" in (tmp_path / "rank1.err").read_text()
 
 
+@pytest.mark.parametrize("fail_rank", [None, 0])
+def test_process_group_waits_for_every_rank_and_never_hangs_on_a_failed_one(fail_rank, tmp_path):
+    """On gloo, ranks that finished wait for each other before tearing the group down; a rank that
+    failed on its way out does not leave the others waiting. Every rank destroys the group."""
+    import json
+
+    mp.spawn(worker.group_rank, args=(2, free_port(), str(tmp_path), fail_rank), nprocs=2)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert not any(r["initialized"] for r in records)
+    assert records[1]["status"] == "ok 2" and records[1]["seconds"] < 30
+    assert records[0]["status"] == ("ok 2" if fail_rank is None else "injected failure on rank 0")
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("embedding_cache")
 def test_torchrun_cli_two_ranks_equals_one_process(nf4_ckpt, shipped_example, tmp_path):

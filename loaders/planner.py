@@ -210,14 +210,14 @@ def encode_tile(lat_h: int, lat_w: int, tile, budget: int | None):
             tile = pick_tile(
                 None, lat_h, lat_w, budget, DEFAULT_OVERLAP, bytes_per_pixel=encode_bytes_per_pixel()
             )
-    if tile is None:
-        return None
-    if (
-        len(tile_spans(lat_h, tile[0], DEFAULT_OVERLAP)) * len(tile_spans(lat_w, tile[1], DEFAULT_OVERLAP))
-        == 1
-    ):
+    if tile is None or tile_count(lat_h, lat_w, tile) == 1:
         return None
     return min(tile[0], lat_h), min(tile[1], lat_w)
+
+
+def tile_count(lat_h: int, lat_w: int, tile: tuple) -> int:
+    """How many tiles of `tile` (latent pixels, DEFAULT_OVERLAP apart) the VAE cuts a frame into."""
+    return len(tile_spans(lat_h, tile[0], DEFAULT_OVERLAP)) * len(tile_spans(lat_w, tile[1], DEFAULT_OVERLAP))
 
 
 @functools.cache
@@ -255,10 +255,7 @@ def decode_vram(lat_f: int, lat_h: int, lat_w: int, tile, chunked: bool = False)
     weights = 0 if tile is None else lat_h * lat_w * 64 * 4  # the blend weight sum
     others = 0
     if chunked and tile is not None:
-        spans = len(tile_spans(lat_h, tile[0], DEFAULT_OVERLAP)) * len(
-            tile_spans(lat_w, tile[1], DEFAULT_OVERLAP)
-        )
-        others = (spans - 1) * area * DECODE_CACHE_PER_LATENT_PIXEL
+        others = (tile_count(lat_h, lat_w, tile) - 1) * area * DECODE_CACHE_PER_LATENT_PIXEL
     return DECODE_BASE + video + weights + area * DECODE_PER_LATENT_PIXEL + others
 
 
@@ -656,10 +653,8 @@ def oom_error(phase: str | None, plan: MemoryPlan | None, names: dict | None = N
     msg = f"CUDA ran out of memory during {where} (the plan predicted {said}); models released"
     fixes = []
     if plan.budget is not None and plan.planner is not None:
-        need = predicted.vram if predicted else plan.peak_vram
-        fixes = plan.planner.suggestions(
-            int(min(plan.budget, need) * 0.9)
-        )  # what the card gave, less a margin
+        gave = min(plan.budget, predicted.vram if predicted else plan.peak_vram)  # what the card really gave
+        fixes = plan.planner.suggestions(int(gave * 0.9))  # less a margin for what the plan missed
     text = format_suggestions(fixes, names)
     if text:
         msg += f"; settings that would fit: {text}"

@@ -520,8 +520,10 @@ class WanModel(nn.Module):
             )
         freqs = self._rope(x.device)
         run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
-        compiled = run is not None and not getattr(run, "failed", False)
-        table = rope_table(grid, freqs) if compiled else None  # compiled blocks: real (cos, sin) pairs
+        # compiled blocks get RoPE as real (cos, sin) pairs; a runner that fell back runs the complex table
+        run_freqs = (
+            rope_table(grid, freqs) if run is not None and not getattr(run, "failed", False) else freqs
+        )
         lean = self.lean_activations
         if lean and run is not None:
             raise ValueError(
@@ -543,9 +545,7 @@ class WanModel(nn.Module):
                     elif run is None:
                         x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
                     else:
-                        x = run(
-                            block, x, e0, grid, freqs if table is None else table, context, cam_tokens, dtype
-                        )
+                        x = run(block, x, e0, grid, run_freqs, context, cam_tokens, dtype)
                     if swap is not None:
                         swap.after(i)
             finally:

@@ -25,7 +25,7 @@ from lingbot_world.wan.fast_camera import KEY_STEP, KeySteering, keys_camera, pa
 from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
 from safetensors.torch import load_file
-from test_request import _fake_comfy
+from test_request import _fake_comfy, node_inputs
 
 pytestmark = pytest.mark.usefixtures("embedding_cache")
 SIZE = (6, 14, 48, 112)  # examples/00's 1280x720 image at 64*112
@@ -227,13 +227,7 @@ def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeyp
     assert nodes.LingBotFastSampler.VALIDATE_INPUTS("64*112", 5).startswith("frame_num: Fast needs")
     assert "must leave room" in nodes.LingBotFastSampler.VALIDATE_INPUTS(local_attn_size=4, sink_size=3)
     (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
-    (text,) = nodes.LingBotTextEncode().encode(
-        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
-    )
-    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
-    camera, _ = nodes.LingBotCamera().load(str(shipped_example))
-    with Image.open(shipped_example / "image.jpg") as img:
-        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
     (out,) = nodes.LingBotFastSampler().sample(
         model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, 3, 0, "bf16", camera=camera, text=text
     )

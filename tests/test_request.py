@@ -367,6 +367,19 @@ def test_switcher_attaches_the_plans_loras(ckpt, tmp_path):
         plan(config=replace(files.config, num_layers=1), loras=[LoraSpec(lora)])  # blocks.1 does not exist
 
 
+def node_inputs(nodes, example):
+    """(text, vae, camera, image) from the pack's nodes for `example` and the prompt "a castle", as a
+    workflow feeds the samplers (the image as core Load Image gives it)."""
+    (text,) = nodes.LingBotTextEncode().encode(
+        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
+    )
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    camera, _ = nodes.LingBotCamera().load(str(example))
+    with Image.open(example / "image.jpg") as img:
+        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    return text, vae, camera, image
+
+
 def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, monkeypatch, capsys):
     """The same request (a LoRA on the low-noise expert included) through both front ends."""
     latent_file = tmp_path / "cli.latent"
@@ -384,13 +397,7 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
     (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(ckpt))
     (experts,) = nodes.LingBotLoRA().apply(experts, lora.name, 0.7, "low", False)
-    (text,) = nodes.LingBotTextEncode().encode(
-        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
-    )
-    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
-    camera, frames = nodes.LingBotCamera().load(str(shipped_example))
-    with Image.open(shipped_example / "image.jpg") as img:  # what core Load Image gives
-        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
     (speed,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.0, 2, 0)
     speed = replace(speed, cache_threshold=(0.5, 2.0))  # the node's one threshold; the CLI's pair form
     (out,) = nodes.LingBotSampler().sample(
@@ -403,13 +410,7 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
 
 def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
     """The sampler node's latent for the request `args_for` makes (4 steps, seed 7, 64*112, 9 frames)."""
-    (text,) = nodes.LingBotTextEncode().encode(
-        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
-    )
-    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
-    camera, _ = nodes.LingBotCamera().load(str(example))
-    with Image.open(example / "image.jpg") as img:
-        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    text, vae, camera, image = node_inputs(nodes, example)
     (out,) = nodes.LingBotSampler().sample(
         experts, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, *guide, 7, "unipc",
         camera=camera, text=text,

@@ -46,6 +46,7 @@ from .loaders.request import RequestError, check_lora_merge, check_text_dim, pla
 from .loaders.text_encoder import read_encoder_config
 from .loaders.vae import check_vae, load_vae
 from .wan import i2v, pipeline
+from .wan.block_swap import resolve_swap_blocks
 from .wan.config import SampleConfig
 from .wan.fast import (
     CHUNK_FRAMES,
@@ -583,7 +584,7 @@ def add_fast_args(p: argparse.ArgumentParser):
     p.add_argument("--kv_dtype", choices=list(fast_run.KV_DTYPES), default="bf16",
                    help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy")  # fmt: skip
     p.add_argument("--swap_blocks", default="0",
-                   help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = 0)")  # fmt: skip
+                   help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = all)")  # fmt: skip
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
@@ -645,7 +646,7 @@ def run_fast(args) -> int:
             args.sink_size,
             args.kv_dtype,
         )
-        swap = fast_run.check_swap_blocks(args.swap_blocks, files.config.num_layers)
+        swap = resolve_swap_blocks(args.swap_blocks, files.config.num_layers)
     except ValueError as err:
         raise ValueError(f"--{err}") from None
     image = load_image(args.image)

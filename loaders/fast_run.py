@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from ..wan import i2v
-from ..wan.block_swap import resolve_swap_blocks
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
 from ..wan.config import SampleConfig
 from ..wan.fast import (
@@ -52,11 +51,6 @@ def fast_config(shift: float, seed: int, local_attn_size: int, sink_size: int, k
     )
     config.validate()
     return config
-
-
-def check_swap_blocks(value, num_layers: int) -> int:
-    n = resolve_swap_blocks(value, num_layers)
-    return n if isinstance(n, int) else 0
 
 
 def condition(image: torch.Tensor, encode: Callable, frame_num: int, size: tuple, device) -> torch.Tensor:

@@ -467,6 +467,14 @@ class WanModel(nn.Module):
         e0 = linear(self.time_projection[1], F.silu(e), torch.float32).unflatten(1, (6, self.dim))
         return e, e0
 
+    def embed_text(self, context: torch.Tensor) -> torch.Tensor:
+        """Text embedding [tokens <= text_len, text_dim] -> [text_len, dim]: zero-padded to text_len, then
+        the text MLP in the compute dtype."""
+        dtype = self.compute_dtype
+        context = torch.cat([context, context.new_zeros(self.text_len - context.shape[0], context.shape[1])])
+        context = linear(self.text_embedding[0], context, dtype)
+        return linear(self.text_embedding[2], self.text_embedding[1](context), dtype)
+
     def embed_camera(self, cam: torch.Tensor, dtype) -> torch.Tensor:
         """Packed camera tensor [1, C, F, H, W] -> per-token conditioning [L, dim]."""
         if self.control_type is None:
@@ -508,9 +516,7 @@ class WanModel(nn.Module):
         e, e0 = self.time_embed(t)
         if context.shape[0] > self.text_len:
             raise ValueError(f"context has {context.shape[0]} tokens, more than text_len {self.text_len}")
-        context = torch.cat([context, context.new_zeros(self.text_len - context.shape[0], context.shape[1])])
-        context = linear(self.text_embedding[0], context, dtype)
-        context = linear(self.text_embedding[2], self.text_embedding[1](context), dtype)
+        context = self.embed_text(context)
 
         cam_tokens = None if cam is None else self.embed_camera(cam, dtype)
         if cam_tokens is not None and cam_tokens.shape[0] != x.shape[0]:

@@ -234,6 +234,7 @@ class FastSession:
         self.num_chunks = lat_f // CHUNK_FRAMES
         self.done = 0
         self.frame_seqlen = _frame_seqlen(lat_h, lat_w, p)
+        self._grid = (CHUNK_FRAMES // p[0], lat_h // p[1], lat_w // p[2])  # one chunk's token grid
         self._skip_commit = False  # tests only: leave the cache with the last step's noisy keys
 
         self.generator = torch.Generator(device=self.device)
@@ -274,7 +275,9 @@ class FastSession:
 
     # --- the causal forward ---------------------------------------------------------------------
 
-    def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam) -> torch.Tensor:
+    def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam_tokens, freqs) -> torch.Tensor:
+        """One forward of chunk `chunk` at timestep t; `cam_tokens` and `freqs` (RoPE from the chunk's first
+        frame) are the chunk's, the same for all its forwards."""
         m = self.model
         dtype = m.compute_dtype
         x = torch.cat([latent, self._y[chunk]], dim=0)
@@ -285,10 +288,7 @@ class FastSession:
         grid = tuple(x.shape[1:])
         x = x.flatten(1).transpose(0, 1)  # [L, dim]
         e, e0 = m.time_embed(t.reshape(1).to(self.device))
-        cam_tokens = None if cam is None else m.embed_camera(cam, dtype)
-        start_frame = chunk * CHUNK_FRAMES
-        freqs = self._rope(grid, start_frame)
-        start = start_frame * self.frame_seqlen
+        start = chunk * CHUNK_FRAMES * self.frame_seqlen
         swap = m.block_swap
         try:
             for i, block in enumerate(m.blocks):
@@ -343,27 +343,14 @@ class FastSession:
         del q, k, v
         return linear(sa.o, out.flatten(1), dtype)
 
-    def _text(self) -> torch.Tensor:
-        m, dtype = self.model, self.model.compute_dtype
-        ctx = self._context
-        ctx = torch.cat([ctx, ctx.new_zeros(m.text_len - ctx.shape[0], ctx.shape[1])])
-        ctx = linear(m.text_embedding[0], ctx, dtype)
-        return linear(m.text_embedding[2], m.text_embedding[1](ctx), dtype)
-
     def _cross_attn(self, i, ca, x, dtype):
-        n, d = ca.num_heads, ca.head_dim
-        q = ca.norm_q(linear(ca.q, x, dtype)).view(-1, n, d)
         if self._cross[i] is None:  # first forward of the generation: the text's keys, once per layer
             if self._text_emb is None:
-                self._text_emb = self._text()
-            k = ca.norm_k(linear(ca.k, self._text_emb, dtype)).view(-1, n, d)
-            v = linear(ca.v, self._text_emb, dtype).view(-1, n, d)
-            self._cross[i] = (k, v)
+                self._text_emb = self.model.embed_text(self._context)
+            self._cross[i] = ca.context_kv(self._text_emb, dtype)
             if i == len(self._cross) - 1:
                 self._text_emb = None
-        k, v = self._cross[i]
-        out = attention(q, k, v, dtype).to(q.dtype)
-        return linear(ca.o, out.flatten(1), dtype)
+        return ca.attend(x, *self._cross[i], dtype)
 
     _text_emb = None
 
@@ -392,11 +379,14 @@ class FastSession:
         cam = self._check_cam(cam)
         k = self.done
         try:
+            m = self.model
+            cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
+            freqs = self._rope(self._grid, k * CHUNK_FRAMES)
             latent = self._noise[k]
             steps = self.timesteps
             for j, t in enumerate(steps):
                 self.hooks.check()
-                flow = self._forward(latent, t, k, cam)
+                flow = self._forward(latent, t, k, cam_tokens, freqs)
                 x0 = (latent.double() - self._sigma_x0(t) * flow.double()).to(flow.dtype)
                 if j == len(steps) - 1:
                     break
@@ -405,7 +395,9 @@ class FastSession:
                 latent = (1 - sigma) * x0 + sigma * eps
             self.hooks.check()
             if not self._skip_commit:
-                self._forward(x0, steps[-1] * 0.0, k, cam)  # output discarded: refreshes the cache
+                self._forward(
+                    x0, steps[-1] * 0.0, k, cam_tokens, freqs
+                )  # output discarded: refreshes the cache
             self._noise[k] = None
         except BaseException:
             self.close()

@@ -11,6 +11,7 @@ spellings are accepted where they differ.
 """
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -126,6 +127,11 @@ def add_generate_args(p: argparse.ArgumentParser):
     )  # fmt: skip
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
+    p.add_argument(
+        "--t5_overlap", choices=["auto", "on", "off"], default="auto",
+        help="encode the text in its child process while this one encodes the first frame and loads the "
+        "first expert ('auto': when the planner finds both fit the card; needs --t5_mode subprocess)",
+    )  # fmt: skip
     p.add_argument(
         "--vae_tile",
         default="auto",
@@ -365,7 +371,7 @@ def memory_check(args, files, tile, device, free=True) -> memplan.MemoryCheck:
         expert_bytes={e: source.nbytes for e, source in files.sources.items()},
         lora_bytes=memplan.lora_bytes(args.lora), swap_blocks=getattr(args, "swap_blocks", 0), vae_tile=tile,
         t5_mode=args.t5_mode, t5_device="cpu" if args.t5_cpu else device.type,
-        t5_bytes=files.text_encoder.stat().st_size,
+        t5_bytes=files.text_encoder.stat().st_size, t5_overlap={"on": True, "off": False}.get(args.t5_overlap, "auto"),
     )  # fmt: skip
     vram, ram = memplan.free_memory(device) if free and device.type == "cuda" else (None, None)
     if ram is not None:
@@ -411,7 +417,12 @@ def run_plan(args) -> int:
         print("(VRAM figures are for a CUDA device; on the CPU everything lives in RAM)")
         return 0
     check = memory_check(args, files, tile, device)
-    check.run(plan.memory.planner)  # raises MemoryPlanError: exit 2 with the settings that fit
+    fitted = check.run(plan.memory.planner)  # raises MemoryPlanError: exit 2 with the settings that fit
+    if fitted.text_overlap:
+        print(
+            f"text encode in the background: {fitted.phase('text_encode').vram / memplan.GIB:.2f} GiB with the "
+            "first-frame encode and the first expert's load beside it"
+        )
     print(f"fits: {check.free_vram / memplan.GIB:.1f} GiB of VRAM free on {device}")
     return 0
 
@@ -452,42 +463,59 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
 
     # guide scale 1 throughout runs no CFG: the negative prompt is never used, so it is not encoded
     prompts = [args.prompt, args.n_prompt or settings.negative_prompt][: 2 if plan.needs_negative else 1]
-    with phase("text_encode"):
-        context = None
-        if lead:  # while the child encodes, this process imports what the experts' loader needs
-            context = text_encode.encode_prompts(
-                files.text_encoder, prompts, tokenizer_path=files.tokenizer, mode=args.t5_mode,
-                device="cpu" if args.t5_cpu else str(device), while_waiting=stream.preload_libraries,
+    encode = functools.partial(
+        text_encode.encode_prompts, files.text_encoder, prompts, tokenizer_path=files.tokenizer,
+        mode=args.t5_mode, device="cpu" if args.t5_cpu else str(device),
+    )  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        text = background = None
+        if lead and plan.memory is not None and plan.memory.text_overlap:
+            # the child encodes while this process encodes the first frame and loads the first expert
+            background = stack.enter_context(text_encode.BackgroundEncode(*encode.args, **encode.keywords))
+            context = context_null = None
+
+            def text():
+                return (*background.result(), None)[:2]
+        else:
+            with phase("text_encode"):
+                context = None
+                if lead:  # while the child encodes, this process imports what the experts' loader needs
+                    context = encode(while_waiting=stream.preload_libraries)
+                if plan.ulysses_size > 1:
+                    context = distributed.broadcast_tensors(context, device)
+                context, context_null = (*context, None)[:2]
+        with phase("camera"):
+            inputs = plan.inputs(image, context, context_null, device, text=text)
+        del context, context_null
+        with phase("load_vae"):
+            vae = load_vae(files.vae, device) if lead else None
+        switcher = ExpertSwitcher(
+            files.experts,
+            device,
+            quantize=args.quantize or None,
+            loras=plan.loras,
+            swap_blocks=plan.swap_blocks,
+            merge_loras=args.lora_merge,
+        )
+        stats = SpeedStats()
+        bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step", disable=not lead)
+        hooks.progress = lambda i, n, latent: bar.update(1)
+        try:
+            # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
+            encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=enc_tile)) if lead else None
+            latent = pipeline.sample(
+                vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats,
+                **inputs,
             )  # fmt: skip
-        if plan.ulysses_size > 1:
-            context = distributed.broadcast_tensors(context, device)
-        context, context_null = (*context, None)[:2]
-    with phase("camera"):
-        inputs = plan.inputs(image, context, context_null, device)
-    del context, context_null
-    with phase("load_vae"):
-        vae = load_vae(files.vae, device) if lead else None
-    switcher = ExpertSwitcher(
-        files.experts,
-        device,
-        quantize=args.quantize or None,
-        loras=plan.loras,
-        swap_blocks=plan.swap_blocks,
-        merge_loras=args.lora_merge,
-    )
-    stats = SpeedStats()
-    bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step", disable=not lead)
-    hooks.progress = lambda i, n, latent: bar.update(1)
-    try:
-        # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
-        encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=enc_tile)) if lead else None
-        latent = pipeline.sample(
-            vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats, **inputs
-        )  # fmt: skip
-    finally:
-        bar.close()
-        switcher.close()
-    del inputs
+        finally:
+            bar.close()
+            switcher.close()
+        del inputs
+    if background is not None:
+        log.add(monitor.PhaseRecord("text_encode", background.seconds, background=True))
+        print(
+            f"text encoder: {background.seconds:.1f} s in the background; the run waited {background.waited:.1f} s"
+        )
     if not lead:  # the others' part ends with the last step
         return 0
     if args.save_latent:
@@ -775,6 +803,13 @@ def _on_sigterm(signum, frame):
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument shapes argparse cannot express; reported the argparse way (usage, `error:`, exit 2)."""
+    if getattr(args, "t5_overlap", None) == "on":
+        if args.t5_mode != "subprocess":
+            parser.error("argument --t5_overlap on: needs --t5_mode subprocess (the encoder's own process)")
+        if getattr(args, "ulysses_size", 1) > 1 or getattr(args, "parallel", "none") != "none":
+            parser.error(
+                "argument --t5_overlap on: not with sequence parallel (rank 0 encodes the text alone)"
+            )
     for flag in ("guide_scale", "cache_threshold"):
         values = getattr(args, flag, None)
         if values is not None and len(values) > 2:

@@ -4,7 +4,8 @@ Builds a random checkpoint folder in the NF4 repack's layout under --workdir (tw
 the exact NF4 format, a random umT5-XXL in ComfyUI's safetensors layout with a synthetic
 256384-piece tokenizer, a random Wan2.1 VAE), then runs `lingbot.py generate` in this process with
 `torch.cuda.set_per_process_memory_fraction` capping the device at --vram-cap-gib. Records per-phase
-wall time, peak anonymous RSS and peak VRAM (the CLI's own phase log).
+wall time, peak anonymous RSS and peak VRAM (the CLI's own phase log), and the card's peak used memory
+with every process on it (the text encoder's child included: `card_peak_used_gib`).
 
     python benchmarks/bench_pipeline.py --scale full --workdir /tmp/bench_pipe     # GPU
     python benchmarks/bench_pipeline.py --scale tiny --workdir /tmp/bench_pipe     # CPU check
@@ -13,10 +14,12 @@ Prints one JSON line at the end.
 """
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -86,6 +89,33 @@ def write_random_lora(path: Path, config, rank: int) -> Path:
     return path
 
 
+class CardPeak:
+    """The card's peak used memory over a `with` block, every process on it counted (the text encoder's
+    child too): total minus free, sampled on a thread."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak = interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self):
+        free, total = torch.cuda.mem_get_info()
+        self.peak = max(self.peak, total - free)
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self):
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
@@ -134,7 +164,8 @@ def main() -> int:
         "--device", device, "--output", str(out), "--overwrite", "--report", str(report), *extra,
     ]  # fmt: skip
     t0 = time.perf_counter()
-    rc = cli.main(argv)
+    with CardPeak() if cuda else contextlib.nullcontext() as card:
+        rc = cli.main(argv)
     wall = time.perf_counter() - t0
     summary = {
         "bench": "pipeline",
@@ -147,6 +178,7 @@ def main() -> int:
         "extra": extra,
         "rc": rc,
         "wall_s": round(wall, 2),
+        "card_peak_used_gib": round(card.peak / (1 << 30), 2) if cuda else None,
         "phases": json.loads(report.read_text()) if report.is_file() else None,
     }
     print(json.dumps(summary))

@@ -85,10 +85,12 @@ class PhaseRecord:
     rss_anon_start: int = 0
     peak_vram: int | None = None  # bytes allocated by torch on the device, if CUDA
     peak_reserved: int | None = None  # bytes its caching allocator held (what a memory cap limits)
+    background: bool = False  # ran beside the other phases (its time is in theirs too)
 
     def as_dict(self) -> dict:
         gib = 1 << 30
-        return {
+        extra = {"background": True} if self.background else {}
+        return extra | {
             "phase": self.name,
             "seconds": round(self.seconds, 3),
             "peak_rss_anon_gib": round(self.peak_rss_anon / gib, 3),
@@ -124,14 +126,23 @@ class PhaseLog:
         rec.peak_rss_anon, rec.rss_anon_start = sampler.peak, sampler.start_bytes
         self.records.append(rec)
 
+    def add(self, record: PhaseRecord) -> None:
+        """A phase timed elsewhere (a background one)."""
+        self.records.append(record)
+
     def table(self) -> str:
         rows = [r.as_dict() for r in self.records]
         head = f"{'phase':<16}{'time s':>9}{'peak RAM (anon) GiB':>21}{'peak VRAM GiB':>15}"
         lines = [head, "-" * len(head)]
         for r in rows:
+            if r.get("background"):
+                lines.append(
+                    f"{r['phase']:<16}{r['seconds']:>9.2f}  (in the background, beside the phases above)"
+                )
+                continue
             vram = "-" if r["peak_vram_gib"] is None else f"{r['peak_vram_gib']:.2f}"
             lines.append(f"{r['phase']:<16}{r['seconds']:>9.2f}{r['peak_rss_anon_gib']:>21.2f}{vram:>15}")
-        total = sum(r["seconds"] for r in rows)
+        total = sum(r["seconds"] for r in rows if not r.get("background"))
         lines.append(f"{'total':<16}{total:>9.2f}")
         return "\n".join(lines)
 

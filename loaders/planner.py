@@ -5,7 +5,9 @@ fitted to whole runs measured on an H200 under a 24 GiB cap (480p x 81 and 720p 
 two random NF4 A14B experts, text encoded in a child process):
 
 - text_encode: the T5 weights plus a small working set, on whichever device encodes; in a child
-  process the parent holds nothing, but the child shares the card and the host.
+  process the parent holds nothing, but the child shares the card and the host. With `t5_overlap`
+  the child runs while this process encodes the first frame and loads the high-noise expert, and the
+  phase's figures are the sum: the child's (its own CUDA context included) and the larger of those two.
 - vae_encode: the VAE and the video on the device, plus the encoder's chunk activations, which scale
   with the pixel area of one tile (the first frame and 4-frame chunks stream through a causal cache;
   the whole frame when untiled). 'auto' tiling is predicted with the same rule `WanVAE.encode` uses
@@ -62,6 +64,7 @@ COMPILE_SAVING_PER_TOKEN = int(1.18 * GIB) // 31_668  # fused elementwise ops un
 T5_WORKING = 300_000_000  # the encoder's activations for two prompts
 T5_DEFAULT_BYTES = 11_360_000_000  # umT5-XXL encoder, bf16
 T5_CHILD_RAM = 800_000_000  # the child's interpreter and torch on top of its weights
+T5_CHILD_CONTEXT = int(0.6 * GIB)  # the child's own CUDA context, beside this process's
 FRAME_STEP = 4
 # RoPE (wan.dit.rope_apply) per token of a ROPE_CHUNK chunk and channel: the fp64 copy (8), its complex128
 # product with the table (8) and the fp32 rounding (4). A fixed ~0.8 GiB at dim 5120 that the fitted
@@ -118,6 +121,9 @@ class MemoryRequest:
     t5_bytes: int = T5_DEFAULT_BYTES
     compile: bool = False  # guide scale 1 (one forward per step) leaves the peak as it is: not an input
     lean_activations: bool | str = False  # chunked lean blocks (True), or 'auto': only when needed to fit
+    # the T5 child runs while this process encodes the first frame and loads the high-noise expert (True),
+    # or 'auto': only when both fit the card together (subprocess mode, one rank, nothing swapped)
+    t5_overlap: bool | str = False
     ulysses_size: int = 1  # ranks splitting each forward's tokens (sequence parallel); figures are per rank
 
 
@@ -290,6 +296,7 @@ class MemoryPlan:
     ranks: int = 1  # sequence-parallel ranks: VRAM figures are rank 0's GPU, RAM the host's total
     lean_activations: bool = False  # the denoise figures are for lean blocks ('auto' resolved)
     budget: int | None = None  # the free VRAM it was planned for ('auto' settings resolved against it)
+    text_overlap: bool = False  # text_encode's figures are the T5 child's beside the encode and first load
 
     @property
     def peak_vram(self) -> int:
@@ -423,6 +430,8 @@ class Planner:
                 note += ", lean activations"
             denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + assembled + pinned, note))
 
+        text, overlap = self._text_overlap(text, encode, denoise[0], t5_gpu, int(swap), auto_budget)
+
         tile = r.vae_tile
         if tile == "auto":  # the tile the run decodes with (the CLI passes it on), with the same headroom
             tile = auto_tile(lat_f, lat_h, lat_w, auto_budget)
@@ -438,8 +447,28 @@ class Planner:
         return MemoryPlan(
             phases=phases, swap_blocks=int(swap), vae_tile=tile, tokens=tokens, size=self.size,
             frame_num=self.frame_num, planner=self, encode_tile=enc_tile, ranks=ranks,
-            lean_activations=bool(lean), budget=budget,
+            lean_activations=bool(lean), budget=budget, text_overlap=overlap,
         )  # fmt: skip
+
+    def _text_overlap(self, text: Phase, encode: Phase, high: Phase, t5_gpu: bool, swap: int, budget):
+        """(text_encode's phase, overlapped?): with overlap the T5 child shares the card and the host with
+        this process's first-frame encode and then its high-noise expert's load (VAE kept, no activations)."""
+        r, n = self.request, self.config.num_layers
+        loaded = (
+            VAE_BASE
+            + expert_vram(int(r.expert_bytes["high"]), n, swap)
+            + int((r.lora_bytes or {}).get("high", 0))
+        )
+        vram = text.vram + (T5_CHILD_CONTEXT if t5_gpu else 0) + max(encode.vram, loaded)
+        ram = text.ram - PROCESS_RAM // 2 + max(encode.ram, high.ram)
+        overlap = r.t5_overlap
+        if overlap == "auto":
+            overlap = r.t5_mode == "subprocess" and r.ulysses_size == 1 and not swap and budget is not None
+            overlap = overlap and vram <= budget
+        if not overlap:
+            return text, False
+        note = text.note + ", beside the first-frame encode and the high-noise expert's load"
+        return replace(text, vram=int(vram), ram=int(ram), note=note), True
 
     def _fits_denoise(self, act: int, lora: dict, budget: int, swap) -> bool:
         n = self.config.num_layers

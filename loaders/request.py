@@ -87,9 +87,20 @@ class Plan:
                 )
             check_text_dim(t.shape[-1], self.config)
 
-    def inputs(self, image: torch.Tensor, context, context_null, device) -> dict:
-        """Keyword arguments for `pipeline.sample` (all but the VAE, the experts and the hooks)."""
-        self.check_text(context, context_null)
+    def inputs(self, image: torch.Tensor, context, context_null, device, text=None) -> dict:
+        """Keyword arguments for `pipeline.sample` (all but the VAE, the experts and the hooks). `text`:
+        instead of the embeddings, a function that waits for (context, context_null) from a background
+        encoder (see `pipeline.sample`); they are checked when it returns."""
+        if text is None:
+            self.check_text(context, context_null)
+        else:
+            wait = text
+
+            def text():
+                pair = wait()
+                self.check_text(*pair)
+                return pair
+
         cam = None
         if self.camera is not None:
             cam, frames = self.camera.pack(self.config.control_type, self.frame_num, self.size, device)
@@ -97,7 +108,7 @@ class Plan:
         return dict(
             image=image, context=context, context_null=context_null, size=self.size,
             frame_num=self.frame_num, settings=self.settings, cam=cam, device=torch.device(device),
-            speed=self.speed, parallel=SequenceParallel() if self.ulysses_size > 1 else None,
+            speed=self.speed, parallel=SequenceParallel() if self.ulysses_size > 1 else None, text=text,
         )  # fmt: skip
 
 

@@ -79,6 +79,61 @@ class EncoderProcessError(RuntimeError):
     was killed, or wrote nothing usable. The message has its exit status and last output lines."""
 
 
+class EncodeCancelled(Exception):
+    """A background encode stopped because the run it was for ended first."""
+
+
+class BackgroundEncode:
+    """`encode_prompts` on a thread of this process, so the caller goes on while the child encodes (its
+    first-frame encode and expert load overlap the child's start, load and encode; the planner decides
+    when both fit the card). `result()` waits and returns the embeddings (or raises what the encode
+    raised); `close()` (also on leaving a `with`) stops a child still running and joins the thread.
+    `seconds` is the encode's wall time, `waited` how long `result()` blocked."""
+
+    def __init__(self, *args, **kwargs):
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._value, self._error = None, None
+        self.seconds = self.waited = 0.0
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=args,
+            kwargs=dict(kwargs, cancel=self._cancel),
+            daemon=True,
+            name="text-encode",
+        )
+        self._thread.start()
+
+    def _run(self, *args, **kwargs):
+        try:
+            self._value = encode_prompts(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller by result()
+            self._error = err
+        finally:
+            self.seconds = time.perf_counter() - self._t0
+            self._done.set()
+
+    def result(self) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        while not self._done.wait(0.1):  # in slices, so Ctrl-C reaches the main thread
+            pass
+        self.waited += time.perf_counter() - t0
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def close(self) -> None:
+        self._cancel.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def default_cache_dir() -> Path:
     """$LINGBOT_WORLD_CACHE/text_embeddings, else ~/.cache/lingbot_world/text_embeddings."""
     base = os.environ.get("LINGBOT_WORLD_CACHE")
@@ -178,12 +233,14 @@ def encode_prompts(
     use_cache: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
     while_waiting: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[torch.Tensor]:
     """Embeddings [tokens, 4096] (bf16, CPU) for each prompt, in order.
 
     encoder_path: upstream .pth or ComfyUI umT5 .safetensors; tokenizer_path: see resolve_tokenizer.
     device: where the encoder runs ('cpu', 'cuda', 'cuda:1'). cache_dir: None = default_cache_dir().
     while_waiting: work for this process while the child encodes (subprocess mode, on a cache miss).
+    cancel: set it to stop the child and raise EncodeCancelled (subprocess mode; see BackgroundEncode).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -211,7 +268,7 @@ def encode_prompts(
     if todo:
         if mode == "subprocess":
             embs, _ = encode_in_subprocess(
-                encoder_path, todo, source, device, text_len, timeout, while_waiting
+                encoder_path, todo, source, device, text_len, timeout, while_waiting, cancel
             )
         else:
             embs, _ = encode_in_process(encoder_path, todo, source, device, text_len)
@@ -372,9 +429,11 @@ def encode_in_subprocess(
     text_len: int = TEXT_LEN,
     timeout: float = DEFAULT_TIMEOUT_S,
     while_waiting: Callable[[], None] | None = None,
+    cancel: threading.Event | None = None,
 ):
     """Encode in a child Python that exits afterwards. -> (embeddings, the child's report). No cache.
-    `while_waiting()` runs here once the child has started (its time counts towards `timeout`).
+    `while_waiting()` runs here once the child has started (its time counts towards `timeout`);
+    `cancel`, once set, stops the child and raises EncodeCancelled.
 
     The child gets every path absolute, deletes its request file (the prompts) as soon as it has
     read it, and dies with this process (Linux; elsewhere it notices within a second). A child that
@@ -424,8 +483,7 @@ def encode_in_subprocess(
                 start = time.monotonic()
                 if while_waiting is not None:
                     while_waiting()
-                left = None if timeout is None else max(timeout - (time.monotonic() - start), 0)
-                rc = proc.wait(timeout=left)
+                rc = _wait(proc, None if timeout is None else start + timeout, cancel)
             except subprocess.TimeoutExpired:
                 _stop(proc)
                 raise TimeoutError(
@@ -467,6 +525,22 @@ def encode_in_subprocess(
             shutil.rmtree(work, ignore_errors=True)
             if lock is not None:
                 lock.close()
+
+
+def _wait(proc: subprocess.Popen, deadline: float | None, cancel: threading.Event | None) -> int:
+    """The child's exit status; subprocess.TimeoutExpired past `deadline` (monotonic), EncodeCancelled
+    once `cancel` is set (the caller's cleanup kills the child)."""
+    while True:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0)
+        if cancel is None:
+            return proc.wait(timeout=left)
+        try:
+            return proc.wait(timeout=0.05 if left is None else min(left, 0.05))
+        except subprocess.TimeoutExpired:
+            if cancel.is_set():
+                raise EncodeCancelled("text encoding was cancelled") from None
+            if left == 0:
+                raise
 
 
 def _read_error(path: Path) -> dict:

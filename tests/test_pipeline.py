@@ -262,6 +262,60 @@ def test_cli_swap_blocks_gives_the_same_latent(nf4_ckpt, shipped_example, tmp_pa
     assert cli.main(args) != 0
 
 
+def test_cli_t5_overlap_gives_the_same_latent(nf4_ckpt, shipped_example, tmp_path, capsys):
+    """The text encoded in the background (its child beside the first-frame encode and the first expert's
+    load) gives the latent of the encode-first order; the report marks the background phase."""
+    import json
+
+    latents, reports = {}, {}
+    for mode in ("on", "off"):  # 'on' first: its child encodes (a miss); 'off' then reads the same cache
+        out, lat, rep = (tmp_path / f"{mode}.{x}" for x in ("mp4", "latent", "json"))
+        args = generate_args(nf4_ckpt, shipped_example, out, "--t5_overlap", mode)
+        assert cli.main([*args, "--save_latent", str(lat), "--report", str(rep)]) == 0
+        latents[mode], reports[mode] = load_file(lat)["latent_tensor"], json.loads(rep.read_text())
+        printed = capsys.readouterr().out
+        assert ("in the background; the run waited" in printed) == (mode == "on")
+    assert torch.equal(latents["on"], latents["off"])
+    (text,) = [r for r in reports["on"] if r["phase"] == "text_encode"]
+    assert text["background"] is True and text["seconds"] > 0
+    assert [r["phase"] for r in reports["off"]][0] == "text_encode" and "background" not in reports["off"][0]
+    # the auto choice on the CPU (no VRAM budget to plan both against) keeps the encode-first order
+    args = generate_args(nf4_ckpt, shipped_example, tmp_path / "auto.mp4")
+    assert cli.main(args) == 0 and "in the background" not in capsys.readouterr().out
+
+
+def test_cli_t5_overlap_child_failure_ends_the_run_cleanly(
+    nf4_ckpt, shipped_example, tmp_path, capsys, monkeypatch
+):
+    import threading
+
+    from lingbot_world.loaders import text_encode
+
+    code = "import sys; print('encoder broke'); sys.exit(3)"
+    monkeypatch.setattr(
+        text_encode, "_child_command", lambda request: [sys.executable, "-c", code, str(request)]
+    )
+    out = tmp_path / "x.mp4"
+    args = generate_args(
+        nf4_ckpt, shipped_example, out, "--t5_overlap", "on", "--prompt", "a prompt no cache has"
+    )
+    assert cli.main(args) == 1
+    err = capsys.readouterr().err
+    assert "exited with status 3" in err and "encoder broke" in err and "Traceback" not in err
+    assert not out.exists() and not any(t.name == "text-encode" for t in threading.enumerate())
+
+
+def test_cli_t5_overlap_refuses_an_in_process_encoder(nf4_ckpt, shipped_example, tmp_path, capsys):
+    args = generate_args(
+        nf4_ckpt, shipped_example, tmp_path / "x.mp4", "--t5_overlap", "on", "--t5_mode", "inprocess"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert (
+        exit_info.value.code == 2 and "--t5_overlap on: needs --t5_mode subprocess" in capsys.readouterr().err
+    )
+
+
 def test_cli_merges_a_lora_into_bf16_experts_while_quantizing(
     upstream_ckpt, shipped_example, tmp_path, capsys
 ):

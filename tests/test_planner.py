@@ -39,6 +39,32 @@ def test_calibration_points_within_ten_percent():
     assert planner(compile=True).plan().peak_vram < p480.peak_vram
 
 
+def test_t5_overlap_only_when_the_child_and_this_process_fit_together():
+    lora = {"high": 830_000_000, "low": 830_000_000}
+    alone = planner(lora_bytes=lora).plan(24 * GIB)
+    auto = planner(lora_bytes=lora, t5_overlap="auto").plan(24 * GIB)
+    assert not alone.text_overlap and auto.text_overlap
+    # the child's T5 and CUDA context beside the larger of the first-frame encode and the first expert load
+    loaded = mp.VAE_BASE + mp.expert_vram(NF4, A14B.num_layers, 0) + lora["high"]
+    beside = max(auto.phase("vae_encode").vram, loaded)
+    assert auto.phase("text_encode").vram == alone.phase("text_encode").vram + mp.T5_CHILD_CONTEXT + beside
+    assert 20 * GIB < auto.phase("text_encode").vram <= 24 * GIB * (1 - mp.AUTO_HEADROOM)
+    assert auto.phase("text_encode").ram > alone.phase("text_encode").ram
+    assert [p for p in auto.phases if p.name != "text_encode"] == [
+        p for p in alone.phases if p.name != "text_encode"
+    ]
+    assert "beside the first-frame encode" in auto.table()
+    # too little room, block swap, an in-process encoder, several ranks, or no budget: one after the other
+    assert not planner(t5_overlap="auto").plan(20 * GIB).text_overlap
+    assert not planner(t5_overlap="auto", swap_blocks=4).plan(24 * GIB).text_overlap
+    assert not planner(t5_overlap="auto", t5_mode="inprocess").plan(24 * GIB).text_overlap
+    assert not planner(t5_overlap="auto").plan().text_overlap
+    assert planner(t5_overlap="auto", t5_device="cpu").plan(16 * GIB).text_overlap  # T5 on the CPU: no VRAM
+    # forced on, the plan checks the sum like any phase
+    with pytest.raises(mp.MemoryPlanError, match="text_encode"):
+        mp.check(planner(t5_overlap=True), 20 * GIB)
+
+
 @pytest.mark.parametrize("phase", mp.PHASES[1:])
 def test_monotonic_in_size_and_frames(phase):
     sizes = [(256, 448), (480, 832), (576, 1024), (720, 1280)]

@@ -386,6 +386,11 @@ def test_bench_speed_runs_tiny(tmp_path):
     assert {"eager", "cfg1", "floor", "floor_light", "device", "tokens"} <= summary.keys()
     assert summary["eager"]["step_s"] > 0 and summary["cfg1"]["forwards"] == 1
     assert summary["floor"]["exact"] and not summary["floor_light"]["exact"]
+    assert summary["floor"]["sustained_step_s"] > 0
+    best = summary["best_default_quality"]
+    assert best["over_sustained_floor"] == pytest.approx(
+        summary[best["case"]]["step_s"] / summary["floor"]["sustained_step_s"], rel=1e-2
+    )
     # the profile lists the step's ops by time, the largest first, and sums what it leaves out
     kernels = summary["cfg1"]["kernels"]
     assert "kernels" not in summary["eager"] and 2 <= len(kernels) <= 26

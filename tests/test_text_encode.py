@@ -288,6 +288,35 @@ def test_interrupt_stops_the_child_and_cleans_up(ckpt, tmp_path, monkeypatch):
     assert seen["request"].name == "request.json" and not seen["request"].parent.exists()
 
 
+def test_background_encode_matches_and_reports_its_time(ckpt, tmp_path):
+    direct = _encode(ckpt, "subprocess", tmp_path / "a")
+    with tx.BackgroundEncode(ckpt, PROMPTS, cache_dir=tmp_path / "b", text_len=TEXT_LEN) as bg:
+        child = _wait_for_child()  # the encode runs while this thread goes on
+        out = bg.result()
+    assert all(torch.equal(a, b) for a, b in zip(direct, out, strict=True))
+    assert not child.is_running() and bg.seconds > 0 and 0 <= bg.waited <= bg.seconds
+
+
+def test_background_encode_error_comes_back_from_result(ckpt, tmp_path, monkeypatch):
+    _fake_child(monkeypatch, "import sys; print('no luck'); sys.exit(3)")
+    with tx.BackgroundEncode(ckpt, PROMPTS, cache_dir=tmp_path, text_len=TEXT_LEN) as bg:
+        with pytest.raises(tx.EncoderProcessError, match=r"status 3(.|\n)*no luck"):
+            bg.result()
+    assert not _encoder_children()
+
+
+def test_closing_a_background_encode_stops_its_child_and_cleans_up(ckpt, tmp_path, monkeypatch):
+    _fake_child(monkeypatch, "import time; time.sleep(60)")
+    t0 = time.monotonic()
+    with tx.BackgroundEncode(ckpt, PROMPTS, cache_dir=tmp_path, text_len=TEXT_LEN) as bg:
+        request = Path(_wait_for_child().cmdline()[-1])
+    assert time.monotonic() - t0 < 15  # not the child's 60 s
+    assert not _encoder_children() and not request.parent.exists()
+    assert not any(t.name == "text-encode" for t in threading.enumerate())
+    with pytest.raises(tx.EncodeCancelled):
+        bg.result()
+
+
 def _peak_rss_anon_during(fn):
     with RssSampler(interval=0.005) as sampler:
         out = fn()

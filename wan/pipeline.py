@@ -61,12 +61,14 @@ def denoise(
     speed: SpeedOptions | None = None,
     stats: SpeedStats | None = None,
     parallel=None,
+    text: Callable[[], tuple] | None = None,
 ) -> torch.Tensor:
     """The dual-expert CFG sampling loop. Returns the final latent [16, lat_f, lat_h, lat_w] (fp32).
 
     `speed` (default: everything off, today's exact results) picks the attention backend, compiled
     blocks, lean activations and the step cache; `stats`, when given, is filled with the forwards run and skipped.
     A step whose guide scale is 1 runs the cond forward only: its prediction is exactly cond.
+    `text`: see `sample`; called once the first expert is loaded.
     """
     hooks = hooks or Hooks()
     speed = speed or SpeedOptions()
@@ -92,6 +94,9 @@ def denoise(
                 stack.close()
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
+                if text is not None:  # embeddings a background encoder made while the expert loaded
+                    context, context_null = (None if t is None else t.to(device) for t in text())
+                    text = None
                 prepare_model(model, runner)
                 if speed.lean:  # the expert leaves this loop with its normal blocks
                     model.lean_activations = True
@@ -152,6 +157,7 @@ def sample(
     speed: SpeedOptions | None = None,
     stats: SpeedStats | None = None,
     parallel=None,
+    text: Callable[[], tuple] | None = None,
 ) -> torch.Tensor:
     """Image [3, H, W] in [-1, 1] + text embeddings (+ packed camera tensor) -> final latent.
 
@@ -159,7 +165,9 @@ def sample(
     already be 4n+1 and fit the camera path. `vae.encode(video) -> latent` encodes the first frame
     (+ zero frames) for the i2v condition. The experts are released before this returns, also on
     errors and interrupts, so the decode that follows has the device to itself. `parallel`: see the module
-    docstring (ranks other than 0 may pass `vae=None`).
+    docstring (ranks other than 0 may pass `vae=None`). `text`: embeddings still being encoded, instead of
+    `context`/`context_null`: a function that waits for them and returns that pair; it is called once the
+    first expert is loaded, so the encoder's run overlaps the first-frame encode and that load.
     """
     hooks = hooks or Hooks()
     device = torch.device(device)
@@ -183,9 +191,12 @@ def sample(
                 latent_image = parallel.broadcast(latent_image)
         y = torch.cat([mask, latent_image.to(device)])
         del latent_image
-        context = context.to(device)
-        context_null = None if context_null is None else context_null.to(device)  # None: no step runs CFG
+        if text is None:
+            context = context.to(device)
+            context_null = None if context_null is None else context_null.to(device)  # None: no step runs CFG
         cam = None if cam is None else cam.to(device)
-        return denoise(experts, noise, y, context, context_null, cam, settings, hooks, speed, stats, parallel)
+        return denoise(
+            experts, noise, y, context, context_null, cam, settings, hooks, speed, stats, parallel, text
+        )  # fmt: skip
     finally:
         release_experts()

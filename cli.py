@@ -412,17 +412,17 @@ def run_plan(args) -> int:
     if args.parallel == "auto":
         args.ulysses_size = distributed.requested_size(args.ulysses_size, args.parallel)
     device, files, tile, _, plan = prepare_generate(args, check_memory=False, planning=True)
-    print(plan.memory.table())
     if device.type != "cuda":
+        print(plan.memory.table())
         print("(VRAM figures are for a CUDA device; on the CPU everything lives in RAM)")
         return 0
     check = memory_check(args, files, tile, device)
-    fitted = check.run(plan.memory.planner)  # raises MemoryPlanError: exit 2 with the settings that fit
-    if fitted.text_overlap:
-        print(
-            f"text encode in the background: {fitted.phase('text_encode').vram / memplan.GIB:.2f} GiB with the "
-            "first-frame encode and the first expert's load beside it"
-        )
+    try:  # the plan for this card's free memory: its 'auto' settings as the run would resolve them
+        fitted = check.run(plan.memory.planner)
+    except memplan.MemoryPlanError:
+        print(plan.memory.table())
+        raise  # exit 2 with the settings that fit
+    print(fitted.table())
     print(f"fits: {check.free_vram / memplan.GIB:.1f} GiB of VRAM free on {device}")
     return 0
 
@@ -512,7 +512,7 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
             switcher.close()
         del inputs
     if background is not None:
-        log.add(monitor.PhaseRecord("text_encode", background.seconds, background=True))
+        log.add_background("text_encode", background.seconds)
         print(
             f"text encoder: {background.seconds:.1f} s in the background; the run waited {background.waited:.1f} s"
         )
@@ -806,7 +806,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if getattr(args, "t5_overlap", None) == "on":
         if args.t5_mode != "subprocess":
             parser.error("argument --t5_overlap on: needs --t5_mode subprocess (the encoder's own process)")
-        if getattr(args, "ulysses_size", 1) > 1 or getattr(args, "parallel", "none") != "none":
+        ranks = int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size
+        if ranks > 1:
             parser.error(
                 "argument --t5_overlap on: not with sequence parallel (rank 0 encodes the text alone)"
             )

@@ -16,7 +16,7 @@ blocks) at 464x832x81 (31,668 tokens) for:
   biases), plus its self- and cross-attention with SDPA over distinct q/k/v, on the same device (what
   kernels alone cost): `sustained_step_s` runs the step's whole kernel sequence back to back (the
   power-limited clock a real step runs at), `step_s` sums each kernel timed alone in short bursts;
-  floor_light: the earlier burst floor without biases and with q = k = v.
+  floor_light: the earlier burst floor without biases and with q = k = v (no sustained figure).
 --profile CASE ...: the cases' top device kernels by time over one more step.
 
     python benchmarks/bench_speed.py --scale full --workdir /tmp/bench_speed     # CUDA
@@ -248,8 +248,10 @@ def kernel_floor(cfg, tokens: int, device, repeats: int, forwards: int, exact: b
             for fn in attn.values():
                 fn()
 
-    sequence()  # reach the sustained state first
-    sustained = min(timed(sequence, device, 2))
+    sustained = None
+    if exact:
+        sequence()  # reach the sustained state first
+        sustained = min(timed(sequence, device, 2))
     per_block, detail = {"gemm": 0.0, "attention": 0.0}, {}
     for name, (fn, count) in gemms.items():
         fn()
@@ -266,7 +268,7 @@ def kernel_floor(cfg, tokens: int, device, repeats: int, forwards: int, exact: b
         "gemm_s": round(per_block["gemm"] * scale, 4),
         "attention_s": round(per_block["attention"] * scale, 4),
         "step_s": round((per_block["gemm"] + per_block["attention"]) * scale, 4),
-        "sustained_step_s": round(sustained, 4),
+        "sustained_step_s": None if sustained is None else round(sustained, 6),
         "forwards": forwards,
         "exact": exact,
         "kernels": detail,

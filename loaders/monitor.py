@@ -89,8 +89,9 @@ class PhaseRecord:
 
     def as_dict(self) -> dict:
         gib = 1 << 30
-        extra = {"background": True} if self.background else {}
-        return extra | {
+        if self.background:  # its memory was another process's: the time alone
+            return {"phase": self.name, "seconds": round(self.seconds, 3), "background": True}
+        return {
             "phase": self.name,
             "seconds": round(self.seconds, 3),
             "peak_rss_anon_gib": round(self.peak_rss_anon / gib, 3),
@@ -126,9 +127,9 @@ class PhaseLog:
         rec.peak_rss_anon, rec.rss_anon_start = sampler.peak, sampler.start_bytes
         self.records.append(rec)
 
-    def add(self, record: PhaseRecord) -> None:
-        """A phase timed elsewhere (a background one)."""
-        self.records.append(record)
+    def add_background(self, name: str, seconds: float) -> None:
+        """A phase that ran beside the others from the start (listed first)."""
+        self.records.insert(0, PhaseRecord(name, seconds, background=True))
 
     def table(self) -> str:
         rows = [r.as_dict() for r in self.records]
@@ -137,7 +138,7 @@ class PhaseLog:
         for r in rows:
             if r.get("background"):
                 lines.append(
-                    f"{r['phase']:<16}{r['seconds']:>9.2f}  (in the background, beside the phases above)"
+                    f"{r['phase']:<16}{r['seconds']:>9.2f}  (in the background, beside the phases below)"
                 )
                 continue
             vram = "-" if r["peak_vram_gib"] is None else f"{r['peak_vram_gib']:.2f}"

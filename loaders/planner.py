@@ -90,6 +90,9 @@ LEAN_FIT_PER_TOKEN = 5_966  # at dim 5120
 AUTO_HEADROOM = 0.06
 
 PHASES = ("text_encode", "vae_encode", "denoise_high", "denoise_low", "vae_decode")
+# the phases a run with t5_overlap goes through while the T5 child may still hold the card (until the
+# first forward of denoise_high)
+OVERLAPPED_PHASES = ("camera", "load_vae", "vae_encode", "denoise_high")
 
 
 class MemoryPlanError(RequestError):
@@ -500,6 +503,11 @@ class Planner:
 
         failing = {f[0] for f in self.plan(free_vram).over(free_vram, free_ram)}
         base, planner = [], self
+        if "text_encode" in failing and self.request.t5_overlap is True:  # encoding first costs seconds
+            base.append(("t5_overlap", "off"))
+            planner = planner.with_(t5_overlap=False)
+            if fits(planner):
+                return [base]
         if "text_encode" in failing and self.request.t5_device != "cpu":
             base.append(("t5_cpu", True))
             planner = planner.with_(t5_device="cpu")
@@ -606,6 +614,11 @@ def check(planner: Planner, free_vram: int | None, cap: int | None = None, free_
     budget = free_vram if cap is None else (cap if free_vram is None else min(free_vram, cap))
     plan = planner.plan(budget)
     over = plan.over(budget, free_ram)
+    if over and plan.text_overlap and planner.request.t5_overlap == "auto":
+        # 'auto' weighed the VRAM only: when the overlap is what does not fit (host RAM), encode first
+        planner = planner.with_(t5_overlap=False)
+        plan = planner.plan(budget)
+        over = plan.over(budget, free_ram)
     if not over:
         return plan
     phase, what, need, free = over[0]
@@ -681,7 +694,10 @@ def oom_error(phase: str | None, plan: MemoryPlan | None, names: dict | None = N
         said += f" of {plan.budget / GIB:.1f} GiB free"
     msg = f"CUDA ran out of memory during {where} (the plan predicted {said}); models released"
     fixes = []
-    if plan.budget is not None and plan.planner is not None:
+    if plan.text_overlap and phase in OVERLAPPED_PHASES:  # the T5 child shared the card then
+        msg += f" while the text encoder's child shared the card ({plan.phase('text_encode').vram / GIB:.1f} GiB together)"
+        fixes = [[("t5_overlap", "off")]]
+    elif plan.budget is not None and plan.planner is not None:
         gave = min(plan.budget, predicted.vram if predicted else plan.peak_vram)  # what the card really gave
         fixes = plan.planner.suggestions(int(gave * 0.9))  # less a margin for what the plan missed
     text = format_suggestions(fixes, names)

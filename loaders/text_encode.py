@@ -31,6 +31,7 @@ import torch
 
 from ..wan.config import T5_DTYPE, TEXT_LEN
 from ..wan.t5 import encode_trimmed
+from .interrupts import InterruptGuard
 from .monitor import free_memory, rss_anon
 from .tensor_file import check_file
 from .text_encoder import (
@@ -91,6 +92,8 @@ class BackgroundEncode:
     `seconds` is the encode's wall time, `waited` how long `result()` blocked."""
 
     def __init__(self, *args, **kwargs):
+        if kwargs.get("mode", "subprocess") != "subprocess":
+            raise ValueError("a background encode runs the encoder in its child process (mode='subprocess')")
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._value, self._error = None, None
@@ -116,8 +119,9 @@ class BackgroundEncode:
 
     def result(self) -> list[torch.Tensor]:
         t0 = time.perf_counter()
-        while not self._done.wait(0.1):  # in slices, so Ctrl-C reaches the main thread
-            pass
+        with InterruptGuard() as guard:  # a signal's exception raised in a callback is not lost
+            while not self._done.wait(0.1):  # in slices, so Ctrl-C reaches the main thread
+                guard.check()
         self.waited += time.perf_counter() - t0
         if self._error is not None:
             raise self._error

@@ -276,12 +276,28 @@ def test_cli_t5_overlap_gives_the_same_latent(nf4_ckpt, shipped_example, tmp_pat
         printed = capsys.readouterr().out
         assert ("in the background; the run waited" in printed) == (mode == "on")
     assert torch.equal(latents["on"], latents["off"])
-    (text,) = [r for r in reports["on"] if r["phase"] == "text_encode"]
-    assert text["background"] is True and text["seconds"] > 0
+    text = reports["on"][0]  # it ran from the start, beside the phases listed after it
+    assert (
+        text == {"phase": "text_encode", "seconds": text["seconds"], "background": True}
+        and text["seconds"] > 0
+    )
+    assert [r["phase"] for r in reports["on"]].count("text_encode") == 1
     assert [r["phase"] for r in reports["off"]][0] == "text_encode" and "background" not in reports["off"][0]
     # the auto choice on the CPU (no VRAM budget to plan both against) keeps the encode-first order
     args = generate_args(nf4_ckpt, shipped_example, tmp_path / "auto.mp4")
     assert cli.main(args) == 0 and "in the background" not in capsys.readouterr().out
+
+
+def test_sample_takes_either_embeddings_or_a_pending_encode():
+    def pending():
+        raise AssertionError("never waited for")
+
+    args = dict(image=None, vae=None, experts=None, release_experts=lambda: None, size=(4, 4, 32, 32), frame_num=5,
+                settings=SampleConfig(), text=pending)  # fmt: skip
+    with pytest.raises(ValueError, match="stands for context"):
+        pipeline.sample(context=torch.zeros(3, 8), context_null=None, **args)
+    with pytest.raises(ValueError, match="not under parallel"):
+        pipeline.sample(context=None, context_null=None, parallel=object(), **args)
 
 
 def test_cli_t5_overlap_child_failure_ends_the_run_cleanly(

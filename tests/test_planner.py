@@ -60,9 +60,19 @@ def test_t5_overlap_only_when_the_child_and_this_process_fit_together():
     assert not planner(t5_overlap="auto", t5_mode="inprocess").plan(24 * GIB).text_overlap
     assert not planner(t5_overlap="auto").plan().text_overlap
     assert planner(t5_overlap="auto", t5_device="cpu").plan(16 * GIB).text_overlap  # T5 on the CPU: no VRAM
-    # forced on, the plan checks the sum like any phase
-    with pytest.raises(mp.MemoryPlanError, match="text_encode"):
+    # forced on, the plan checks the sum like any phase, and encoding first is the fix it names
+    with pytest.raises(mp.MemoryPlanError, match="text_encode") as err:
         mp.check(planner(t5_overlap=True), 20 * GIB)
+    assert err.value.suggestions[0] == [("t5_overlap", "off")] and "--t5_overlap off" in str(err.value)
+    # 'auto' weighs the VRAM; when the overlap's host RAM does not fit, the run encodes first instead
+    ram = (alone.peak_ram + auto.phase("text_encode").ram) // 2
+    assert alone.peak_ram < ram < auto.phase("text_encode").ram
+    checked = mp.check(planner(lora_bytes=lora, t5_overlap="auto"), 24 * GIB, free_ram=ram)
+    assert not checked.text_overlap and checked.phase("text_encode") == alone.phase("text_encode")
+    # an out-of-memory while the child shared the card points at the overlap first
+    oom = mp.oom_error("vae_encode", auto)
+    assert "text encoder's child shared the card" in str(oom) and oom.suggestions == [[("t5_overlap", "off")]]
+    assert mp.oom_error("denoise_low", auto).suggestions != [[("t5_overlap", "off")]]
 
 
 @pytest.mark.parametrize("phase", mp.PHASES[1:])

@@ -95,7 +95,7 @@ def denoise(
                 stack.enter_context(hooks.in_phase(f"denoise_{which}"))
                 model, current = experts(which), which
                 if text is not None:  # embeddings a background encoder made while the expert loaded
-                    context, context_null = (None if t is None else t.to(device) for t in text())
+                    context, context_null = (None if e is None else e.to(device) for e in text())
                     text = None
                 prepare_model(model, runner)
                 if speed.lean:  # the expert leaves this loop with its normal blocks
@@ -171,6 +171,10 @@ def sample(
     """
     hooks = hooks or Hooks()
     device = torch.device(device)
+    if text is not None and (context is not None or context_null is not None or parallel is not None):
+        raise ValueError(
+            "text: a background encode stands for context and context_null, and not under parallel"
+        )
     if speed is not None:
         attention.resolve(speed.attention)  # a missing backend fails before any work
     lat_h, lat_w, h, w = size

@@ -361,11 +361,11 @@ def main() -> int:
         print(f"lora: {summary['lora']}", file=sys.stderr)
     if "cfg1" in summary and "step_s" in summary["cfg1"]:
         summary["cfg1_over_cfg"] = round(summary["cfg1"]["step_s"] / summary["eager"]["step_s"], 3)
+    tokens = step.tokens
     del step, reference
     if "cache" not in args.skip:
         summary["cache"] = cache_cases(model, cfg, device, args.scale)
         print(f"cache: {summary['cache']}", file=sys.stderr)
-    tokens = i2v.seq_len(i2v.latent_frames(SHAPES[args.scale][2]), *(v // 8 for v in SHAPES[args.scale][:2]))
     floor = kernel_floor(cfg, tokens, device, max(args.repeats, 3), forwards=2)
     summary["floor"] = floor
     light = kernel_floor(cfg, tokens, device, max(args.repeats, 3), forwards=2, exact=False)

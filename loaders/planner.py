@@ -433,7 +433,7 @@ class Planner:
                 note += ", lean activations"
             denoise.append(Phase(f"denoise_{name}", int(vram), PROCESS_RAM + assembled + pinned, note))
 
-        text, overlap = self._text_overlap(text, encode, denoise[0], t5_gpu, int(swap), auto_budget)
+        text, overlap = self._text_overlap(text, encode, denoise[0], act, t5_gpu, int(swap), auto_budget)
 
         tile = r.vae_tile
         if tile == "auto":  # the tile the run decodes with (the CLI passes it on), with the same headroom
@@ -453,15 +453,14 @@ class Planner:
             lean_activations=bool(lean), budget=budget, text_overlap=overlap,
         )  # fmt: skip
 
-    def _text_overlap(self, text: Phase, encode: Phase, high: Phase, t5_gpu: bool, swap: int, budget):
+    def _text_overlap(
+        self, text: Phase, encode: Phase, high: Phase, act: int, t5_gpu: bool, swap: int, budget
+    ):
         """(text_encode's phase, overlapped?): with overlap the T5 child shares the card and the host with
-        this process's first-frame encode and then its high-noise expert's load (VAE kept, no activations)."""
-        r, n = self.request, self.config.num_layers
-        loaded = (
-            VAE_BASE
-            + expert_vram(int(r.expert_bytes["high"]), n, swap)
-            + int((r.lora_bytes or {}).get("high", 0))
-        )
+        this process's first-frame encode and then its high-noise expert's load (VAE kept, no activations:
+        the denoise figure less `act`)."""
+        r = self.request
+        loaded = VAE_BASE + high.vram - act
         vram = text.vram + (T5_CHILD_CONTEXT if t5_gpu else 0) + max(encode.vram, loaded)
         ram = text.ram - PROCESS_RAM // 2 + max(encode.ram, high.ram)
         overlap = r.t5_overlap

@@ -95,7 +95,6 @@ class BackgroundEncode:
         if kwargs.get("mode", "subprocess") != "subprocess":
             raise ValueError("a background encode runs the encoder in its child process (mode='subprocess')")
         self._cancel = threading.Event()
-        self._done = threading.Event()
         self._value, self._error = None, None
         self.seconds = self.waited = 0.0
         self._t0 = time.perf_counter()
@@ -115,12 +114,12 @@ class BackgroundEncode:
             self._error = err
         finally:
             self.seconds = time.perf_counter() - self._t0
-            self._done.set()
 
     def result(self) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         with InterruptGuard() as guard:  # a signal's exception raised in a callback is not lost
-            while not self._done.wait(0.1):  # in slices, so Ctrl-C reaches the main thread
+            while self._thread.is_alive():  # in slices, so Ctrl-C reaches the main thread
+                self._thread.join(0.1)
                 guard.check()
         self.waited += time.perf_counter() - t0
         if self._error is not None:

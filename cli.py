@@ -98,9 +98,14 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--sample_shift", type=float, default=DEFAULTS.sample_shift)
     p.add_argument("--boundary", type=float, default=DEFAULTS.boundary)
     p.add_argument(
-        "--guide_scale", "--sample_guide_scale", dest="guide_scale", type=float, nargs="+",
-        default=list(DEFAULTS.guide_scale), help="one value, or two: low-noise high-noise",
-    )  # fmt: skip
+        "--guide_scale",
+        "--sample_guide_scale",
+        dest="guide_scale",
+        type=float,
+        nargs="+",
+        default=list(DEFAULTS.guide_scale),
+        help="one value, or two: low-noise high-noise",
+    )
     p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--solver", "--sample_solver", dest="solver", choices=["unipc", "euler"], default="unipc")
     p.add_argument("--fps", type=int, default=DEFAULTS.sample_fps)
@@ -111,78 +116,108 @@ def add_generate_args(p: argparse.ArgumentParser):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quantize", action="store_true", help="quantize bf16 experts to NF4 while loading")
     p.add_argument(
-        "--lora", type=parse_lora, action="append", default=[], metavar="FILE[:STRENGTH[:high|low|both]]",
+        "--lora",
+        type=parse_lora,
+        action="append",
+        default=[],
+        metavar="FILE[:STRENGTH[:high|low|both]]",
         help="apply a LoRA .safetensors (repeatable; default strength 1 on both experts) as a low-rank path "
         "beside the NF4 weights",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--lora_allow_unmatched",
         action="store_true",
         help="warn about LoRA keys that match no layer, not fail",
     )
     p.add_argument(
-        "--lora_merge", action="store_true",
+        "--lora_merge",
+        action="store_true",
         help="with --quantize on bf16/fp32 experts: merge the LoRAs into the weights before quantizing "
         "(no side path at run time; changing them needs a reload)",
-    )  # fmt: skip
+    )
     p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument(
-        "--t5_overlap", choices=["auto", "on", "off"], default="auto",
+        "--t5_overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
         help="encode the text in its child process while this one encodes the first frame and loads the "
         "first expert ('auto': when the planner finds both fit the card; needs --t5_mode subprocess)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--vae_tile",
         default="auto",
         help="VAE encode and decode tiles: 'auto', 'none' or H,W in latent pixels",
     )
     p.add_argument(
-        "--swap_blocks", default="0",
+        "--swap_blocks",
+        default="0",
         help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
         "block (0..num_layers, or 'auto'); less VRAM, identical results",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--ulysses_size", type=int, default=1,
+        "--ulysses_size",
+        type=int,
+        default=1,
         help="sequence parallel over N GPUs (N divides the 40 heads): launch with "
         "`torchrun --nproc_per_node N lingbot.py generate ... --ulysses_size N`",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--parallel", choices=["none", "auto"], default="none",
+        "--parallel",
+        choices=["none", "auto"],
+        default="none",
         help="'auto': sequence parallel over every process torchrun started (its world size)",
-    )  # fmt: skip
+    )
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
     speed.add_argument(
-        "--attention", default="sdpa", choices=["sdpa", "sage"],
+        "--attention",
+        default="sdpa",
+        choices=["sdpa", "sage"],
         help="attention kernel: PyTorch SDPA, or SageAttention (needs the sageattention package)",
-    )  # fmt: skip
+    )
     speed.add_argument(
         "--compile", action="store_true", help="torch.compile the DiT blocks (one graph for all)"
     )
     speed.add_argument(
-        "--lean_activations", choices=["on", "off", "auto"], default="auto",
+        "--lean_activations",
+        choices=["on", "off", "auto"],
+        default="auto",
         help="run each DiT block in token chunks, keeping only the full-length tensors (about 14 instead of "
         "35 vectors per token of activation memory; equal up to GEMM rounding). 'auto': on only when the "
         "planner says the run would not fit otherwise, before any block swap; not with --compile",
-    )  # fmt: skip
+    )
     speed.add_argument(
-        "--cache", choices=["none", "easycache"], default="none",
+        "--cache",
+        choices=["none", "easycache"],
+        default="none",
         help="training-free step cache (EasyCache): reuses the transformer's output on steps where it "
         "changes little; trades quality for speed",
-    )  # fmt: skip
+    )
     speed.add_argument(
-        "--cache_threshold", type=float, nargs="+", default=[SpeedOptions.cache_threshold],
+        "--cache_threshold",
+        type=float,
+        nargs="+",
+        default=[SpeedOptions.cache_threshold],
         help="EasyCache threshold, one value or two (low-noise high-noise); 0 = never skip",
-    )  # fmt: skip
-    speed.add_argument("--cache_keep_first", type=int, default=SpeedOptions.cache_keep_first,
-                       help="steps always computed at the start of each expert's stretch")  # fmt: skip
-    speed.add_argument("--cache_keep_last", type=int, default=SpeedOptions.cache_keep_last,
-                       help="steps always computed at the end of each expert's stretch")  # fmt: skip
+    )
+    speed.add_argument(
+        "--cache_keep_first",
+        type=int,
+        default=SpeedOptions.cache_keep_first,
+        help="steps always computed at the start of each expert's stretch",
+    )
+    speed.add_argument(
+        "--cache_keep_last",
+        type=int,
+        default=SpeedOptions.cache_keep_last,
+        help="steps always computed at the end of each expert's stretch",
+    )
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
     p.add_argument(
-        "--save_latent", type=Path,
+        "--save_latent",
+        type=Path,
         help="also save the final latent for ComfyUI's Load Latent node (.latent, safetensors)",
-    )  # fmt: skip
+    )
 
 
 def add_preset_args(p: argparse.ArgumentParser, flag: str):
@@ -193,8 +228,12 @@ def add_preset_args(p: argparse.ArgumentParser, flag: str):
         help="camera path from a preset, e.g. 'pan left 30 40f ease, dolly in 1 40f' (see `camera --help`)",
     )
     p.add_argument("--camera_speed", type=float, default=1.0, help="scale every preset amount")
-    p.add_argument("--camera_fov", type=float, default=camera_authoring.DEFAULT_HFOV_DEG,
-                   help="preset's horizontal field of view in degrees")  # fmt: skip
+    p.add_argument(
+        "--camera_fov",
+        type=float,
+        default=camera_authoring.DEFAULT_HFOV_DEG,
+        help="preset's horizontal field of view in degrees",
+    )
 
 
 def parse_hw(text: str) -> tuple[int, int]:
@@ -218,17 +257,21 @@ def add_camera_args(p: argparse.ArgumentParser):
         "--save", type=Path, help="write the preset as poses.npy + intrinsics.npy into this folder"
     )
     p.add_argument("--preview", type=Path, help="write a PNG of the path (top-down and side view)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing --save/--preview files")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace existing --save/--preview files")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_args(sub.add_parser("generate", help="image + prompt + camera path -> MP4"))
-    add_camera_args(sub.add_parser(
-        "camera", help="camera preset or pose folder -> poses.npy + intrinsics.npy and/or a preview PNG",
-        description=camera_authoring.PRESET_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-    ))  # fmt: skip
+    add_camera_args(
+        sub.add_parser(
+            "camera",
+            help="camera preset or pose folder -> poses.npy + intrinsics.npy and/or a preview PNG",
+            description=camera_authoring.PRESET_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     add_generate_args(
         sub.add_parser("plan", help="the generate arguments -> each phase's predicted peak VRAM/RAM")
     )
@@ -242,17 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="a bf16/fp32 expert (e.g. lingbot_world_fast/) -> an NF4 folder that loads in seconds",
     )
     quantize.add_argument(
-        "src", type=Path, help="expert folder or file: lingbot_world_fast/ (or the base-cam folder holding it), "
+        "src",
+        type=Path,
+        help="expert folder or file: lingbot_world_fast/ (or the base-cam folder holding it), "
         "high_noise_model/, a single .safetensors; fp32 or bf16, sharded or not",
-    )  # fmt: skip
+    )
     quantize.add_argument("dst", type=Path, help="the NF4 folder to write (e.g. .../lingbot_world_fast_nf4)")
     quantize.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    quantize.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                          help="where to quantize (cuda is much faster)")  # fmt: skip
-    add_fast_args(sub.add_parser(
-        "fast", help="LingBot-World-Fast: chunk by chunk, 4 steps a chunk, steerable with keys while it runs",
-        description=FAST_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
-    ))  # fmt: skip
+    quantize.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to quantize (cuda is much faster)",
+    )
+    add_fast_args(
+        sub.add_parser(
+            "fast",
+            help="LingBot-World-Fast: chunk by chunk, 4 steps a chunk, steerable with keys while it runs",
+            description=FAST_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     demo = sub.add_parser("demo", help="tiny random checkpoints on the CPU, shipped example, short MP4")
     demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
     demo.add_argument("--output", type=Path, default=None)
@@ -266,11 +318,14 @@ LEAN_CHOICES = {"on": True, "off": False, "auto": "auto"}
 def speed_options(args) -> SpeedOptions:
     thresholds = args.cache_threshold
     return SpeedOptions(
-        attention=args.attention, compile=args.compile, cache=None if args.cache == "none" else args.cache,
+        attention=args.attention,
+        compile=args.compile,
+        cache=None if args.cache == "none" else args.cache,
         cache_threshold=thresholds[0] if len(thresholds) == 1 else (thresholds[0], thresholds[-1]),
-        cache_keep_first=args.cache_keep_first, cache_keep_last=args.cache_keep_last,
+        cache_keep_first=args.cache_keep_first,
+        cache_keep_last=args.cache_keep_last,
         lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
-    )  # fmt: skip
+    )
 
 
 def guide_pair(values: list[float]) -> tuple[float, float]:
@@ -280,13 +335,27 @@ def guide_pair(values: list[float]) -> tuple[float, float]:
 
 # RequestError parameters -> the flags a user types.
 FLAGS = {
-    "sample_steps": "--sampling_steps", "sample_shift": "--sample_shift", "boundary": "--boundary",
-    "guide_scale": "--guide_scale", "sample_fps": "--fps", "solver": "--solver", "seed": "--seed",
-    "frame_num": "--frame_num", "max_area": "--size", "size": "--size/--frame_num",
-    "action_string": "--action_string", "camera": "--action_path", "text": "text encoder", "lora": "--lora",
-    "attention": "--attention", "memory": "not enough memory", "swap_blocks": "--swap_blocks",
-    "lora_merge": "--lora_merge", "ulysses_size": "--ulysses_size", "lean_activations": "--lean_activations",
-}  # fmt: skip
+    "sample_steps": "--sampling_steps",
+    "sample_shift": "--sample_shift",
+    "boundary": "--boundary",
+    "guide_scale": "--guide_scale",
+    "sample_fps": "--fps",
+    "solver": "--solver",
+    "seed": "--seed",
+    "frame_num": "--frame_num",
+    "max_area": "--size",
+    "size": "--size/--frame_num",
+    "action_string": "--action_string",
+    "camera": "--action_path",
+    "text": "text encoder",
+    "lora": "--lora",
+    "attention": "--attention",
+    "memory": "not enough memory",
+    "swap_blocks": "--swap_blocks",
+    "lora_merge": "--lora_merge",
+    "ulysses_size": "--ulysses_size",
+    "lean_activations": "--lean_activations",
+}
 
 
 def resolve_device(text: str) -> torch.device:
@@ -369,10 +438,14 @@ def memory_check(args, files, tile, device, free=True) -> memplan.MemoryCheck:
     """The planner's inputs from the generate arguments; `free`: check against the device's free memory."""
     request = memplan.MemoryRequest(
         expert_bytes={e: source.nbytes for e, source in files.sources.items()},
-        lora_bytes=memplan.lora_bytes(args.lora), swap_blocks=getattr(args, "swap_blocks", 0), vae_tile=tile,
-        t5_mode=args.t5_mode, t5_device="cpu" if args.t5_cpu else device.type,
-        t5_bytes=files.text_encoder.stat().st_size, t5_overlap={"on": True, "off": False}.get(args.t5_overlap, "auto"),
-    )  # fmt: skip
+        lora_bytes=memplan.lora_bytes(args.lora),
+        swap_blocks=getattr(args, "swap_blocks", 0),
+        vae_tile=tile,
+        t5_mode=args.t5_mode,
+        t5_device="cpu" if args.t5_cpu else device.type,
+        t5_bytes=files.text_encoder.stat().st_size,
+        t5_overlap={"on": True, "off": False}.get(args.t5_overlap, "auto"),
+    )
     vram, ram = memplan.free_memory(device) if free and device.type == "cuda" else (None, None)
     if ram is not None:
         ram += memplan.PROCESS_RAM  # this process's own share is already in the plan's figures
@@ -392,18 +465,31 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     image = load_image(args.image)
     cam_input = camera_input(args, image.shape[1:])
     settings = SampleConfig(
-        sample_shift=args.sample_shift, sample_steps=args.steps, boundary=args.boundary,
-        guide_scale=guide_pair(args.guide_scale), sample_fps=args.fps, max_area=args.size,
-        solver=args.solver, seed=i2v.resolve_seed(args.seed),
-    )  # fmt: skip
+        sample_shift=args.sample_shift,
+        sample_steps=args.steps,
+        boundary=args.boundary,
+        guide_scale=guide_pair(args.guide_scale),
+        sample_fps=args.fps,
+        max_area=args.size,
+        solver=args.solver,
+        seed=i2v.resolve_seed(args.seed),
+    )
     plan = plan_request(
-        image.shape[1:], files.config, settings, camera=cam_input, frame_num=args.frame_num,
-        max_area=args.size, text_dim=text_dim, loras=args.lora,
-        allow_unmatched_lora_keys=args.lora_allow_unmatched, speed=speed_options(args),
-        memory=memory_check(args, files, tile, device, free=check_memory), swap_blocks=args.swap_blocks,
+        image.shape[1:],
+        files.config,
+        settings,
+        camera=cam_input,
+        frame_num=args.frame_num,
+        max_area=args.size,
+        text_dim=text_dim,
+        loras=args.lora,
+        allow_unmatched_lora_keys=args.lora_allow_unmatched,
+        speed=speed_options(args),
+        memory=memory_check(args, files, tile, device, free=check_memory),
+        swap_blocks=args.swap_blocks,
         ulysses_size=args.ulysses_size if planning else getattr(args, "ranks", 1),
         ulysses_world=args.ulysses_size if planning else None,
-    )  # fmt: skip
+    )
     return device, files, tile, image, plan
 
 
@@ -464,9 +550,13 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
     # guide scale 1 throughout runs no CFG: the negative prompt is never used, so it is not encoded
     prompts = [args.prompt, args.n_prompt or settings.negative_prompt][: 2 if plan.needs_negative else 1]
     encode = functools.partial(
-        text_encode.encode_prompts, files.text_encoder, prompts, tokenizer_path=files.tokenizer,
-        mode=args.t5_mode, device="cpu" if args.t5_cpu else str(device),
-    )  # fmt: skip
+        text_encode.encode_prompts,
+        files.text_encoder,
+        prompts,
+        tokenizer_path=files.tokenizer,
+        mode=args.t5_mode,
+        device="cpu" if args.t5_cpu else str(device),
+    )
     with contextlib.ExitStack() as stack:
         text = background = None
         if lead and plan.memory is not None and plan.memory.text_overlap:
@@ -504,9 +594,13 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
             # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
             encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=enc_tile)) if lead else None
             latent = pipeline.sample(
-                vae=encoder, experts=switcher, release_experts=switcher.close, hooks=hooks, stats=stats,
+                vae=encoder,
+                experts=switcher,
+                release_experts=switcher.close,
+                hooks=hooks,
+                stats=stats,
                 **inputs,
-            )  # fmt: skip
+            )
         finally:
             bar.close()
             switcher.close()
@@ -542,11 +636,30 @@ def run_demo(args) -> int:
     example = ROOT / "examples" / "00"
     output = args.output or default_output("demo")
     argv = [
-        "generate", "--ckpt_dir", str(ckpt), "--image", str(example / "image.jpg"),
-        "--prompt", (example / "prompt.txt").read_text().strip(), "--action_path", str(example),
-        "--size", "64*112", "--frame_num", "9", "--sampling_steps", "6", "--device", "cpu",
-        "--t5_mode", "subprocess", "--output", str(output), "--seed", "42",
-    ]  # fmt: skip
+        "generate",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(example / "image.jpg"),
+        "--prompt",
+        (example / "prompt.txt").read_text().strip(),
+        "--action_path",
+        str(example),
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--sampling_steps",
+        "6",
+        "--device",
+        "cpu",
+        "--t5_mode",
+        "subprocess",
+        "--output",
+        str(output),
+        "--seed",
+        "42",
+    ]
     if args.overwrite:
         argv.append("--overwrite")
     print(f"demo: tiny random checkpoints in {ckpt} (random weights: expect noise, not a scene)")
@@ -584,35 +697,57 @@ built when chunk k starts, from the keys of chunks 0..k (act2cam's motion at a f
 
 
 def add_fast_args(p: argparse.ArgumentParser):
-    p.add_argument("--ckpt_dir", type=Path, required=True,
-                   help="base-cam folder with lingbot_world_fast/, the Fast folder, or an NF4 folder from `quantize`")  # fmt: skip
+    p.add_argument(
+        "--ckpt_dir",
+        type=Path,
+        required=True,
+        help="base-cam folder with lingbot_world_fast/, the Fast folder, or an NF4 folder from `quantize`",
+    )
     p.add_argument("--image", type=Path, required=True)
     p.add_argument("--prompt", required=True, help="no negative prompt: Fast runs without CFG")
     p.add_argument(
         "--keys", metavar="FILE|-", help="steer with act2cam keys, one line per chunk ('-': stdin)"
     )
-    p.add_argument("--action_path", type=Path,
-                   help="folder with poses.npy + intrinsics.npy (with --keys: only its intrinsics.npy)")  # fmt: skip
+    p.add_argument(
+        "--action_path",
+        type=Path,
+        help="folder with poses.npy + intrinsics.npy (with --keys: only its intrinsics.npy)",
+    )
     p.add_argument("--action_string", help="act2cam keys for the whole clip, e.g. 'w-10,iw-15,none-10'")
     p.add_argument(
         "--allow_act2cam", action="store_true", help="drive the Cam model from wasd/ijkl_action.npy"
     )
     add_preset_args(p, "--camera_preset")
     p.add_argument("--size", type=parse_size, default=DEFAULTS.max_area, help="max pixel area, e.g. 480*832")
-    p.add_argument("--frame_num", type=int, default=None,
-                   help=f"video frames (default {DEFAULTS.frame_num}); rounded down to whole chunks of 3 latent "
-                   "frames (81 -> 81, 161 -> 153); with --keys - the most the clip may run")  # fmt: skip
+    p.add_argument(
+        "--frame_num",
+        type=int,
+        default=None,
+        help=f"video frames (default {DEFAULTS.frame_num}); rounded down to whole chunks of 3 latent "
+        "frames (81 -> 81, 161 -> 153); with --keys - the most the clip may run",
+    )
     p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=FastConfig.seed)
     p.add_argument("--sample_shift", type=float, default=FastConfig.shift)
-    p.add_argument("--local_attn_size", type=int, default=-1,
-                   help="latent frames the attention cache keeps, sink included (-1: all, upstream's default)")  # fmt: skip
+    p.add_argument(
+        "--local_attn_size",
+        type=int,
+        default=-1,
+        help="latent frames the attention cache keeps, sink included (-1: all, upstream's default)",
+    )
     p.add_argument(
         "--sink_size", type=int, default=0, help="latent frames at the start the window never evicts"
     )
-    p.add_argument("--kv_dtype", choices=list(fast_run.KV_DTYPES), default="bf16",
-                   help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy")  # fmt: skip
-    p.add_argument("--swap_blocks", default="0",
-                   help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = all)")  # fmt: skip
+    p.add_argument(
+        "--kv_dtype",
+        choices=list(fast_run.KV_DTYPES),
+        default="bf16",
+        help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy",
+    )
+    p.add_argument(
+        "--swap_blocks",
+        default="0",
+        help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = all)",
+    )
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
@@ -689,11 +824,20 @@ def run_fast(args) -> int:
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {CHUNK_FRAMES})"
         )
     need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
-    print(f"LingBot-World-Fast: {lat_f // CHUNK_FRAMES} chunks, {frames} frames at {w}x{h}; attention caches "
-          f"up to {need.caches / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB")  # fmt: skip
+    print(
+        f"LingBot-World-Fast: {lat_f // CHUNK_FRAMES} chunks, {frames} frames at {w}x{h}; attention caches "
+        f"up to {need.caches / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB"
+    )
     if device.type == "cuda":
-        issue = fast_run.fast_fit_issue(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap,
-                                        memplan.free_memory(device)[0], tile)  # fmt: skip
+        issue = fast_run.fast_fit_issue(
+            files,
+            (lat_f, lat_h, lat_w),
+            config,
+            args.quantize or None,
+            swap,
+            memplan.free_memory(device)[0],
+            tile,
+        )
         if issue is not None:
             raise ValueError(f"memory: {issue}")
     sink = fast_run.FrameSink(args.frames_dir, args.overwrite)
@@ -725,9 +869,12 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
     phase = hooks.in_phase
     with phase("text_encode"):
         (context,) = text_encode.encode_prompts(
-            files.text_encoder, [args.prompt], tokenizer_path=files.tokenizer, mode=args.t5_mode,
+            files.text_encoder,
+            [args.prompt],
+            tokenizer_path=files.tokenizer,
+            mode=args.t5_mode,
             device="cpu" if args.t5_cpu else str(device),
-        )  # fmt: skip
+        )
     with phase("load_vae"):
         vae = load_vae(files.vae, device)
     with phase("vae_encode"):

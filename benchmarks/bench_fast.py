@@ -165,12 +165,22 @@ def run_upstream(folder: Path, cfg, lat, device, chunks: int) -> dict:
     try:
         with torch.device(device):
             model = model_fast.WanModelFast(
-                model_type="i2v", control_type="cam", patch_size=cfg.patch_size, text_len=cfg.text_len,
-                in_dim=cfg.in_dim, dim=cfg.dim, ffn_dim=cfg.ffn_dim, freq_dim=cfg.freq_dim,
-                text_dim=cfg.text_dim, out_dim=cfg.out_dim, num_heads=cfg.num_heads,
-                num_layers=cfg.num_layers, qk_norm=cfg.qk_norm, cross_attn_norm=cfg.cross_attn_norm,
+                model_type="i2v",
+                control_type="cam",
+                patch_size=cfg.patch_size,
+                text_len=cfg.text_len,
+                in_dim=cfg.in_dim,
+                dim=cfg.dim,
+                ffn_dim=cfg.ffn_dim,
+                freq_dim=cfg.freq_dim,
+                text_dim=cfg.text_dim,
+                out_dim=cfg.out_dim,
+                num_heads=cfg.num_heads,
+                num_layers=cfg.num_layers,
+                qk_norm=cfg.qk_norm,
+                cross_attn_norm=cfg.cross_attn_norm,
                 eps=cfg.eps,
-            ).eval()  # fmt: skip
+            ).eval()
     finally:
         torch.set_default_dtype(previous)
     build_s = time.perf_counter() - t0
@@ -185,15 +195,22 @@ def run_upstream(folder: Path, cfg, lat, device, chunks: int) -> dict:
         return torch.zeros(shape, dtype=dtype, device=device)
 
     self_kv = [
-        {"k": zeros(1, kv_size, cfg.num_heads, head_dim), "v": zeros(1, kv_size, cfg.num_heads, head_dim),
-         "global_end_index": torch.tensor([0], device=device), "local_end_index": torch.tensor([0], device=device)}
+        {
+            "k": zeros(1, kv_size, cfg.num_heads, head_dim),
+            "v": zeros(1, kv_size, cfg.num_heads, head_dim),
+            "global_end_index": torch.tensor([0], device=device),
+            "local_end_index": torch.tensor([0], device=device),
+        }
         for _ in range(cfg.num_layers)
-    ]  # fmt: skip
+    ]
     cross_kv = [
-        {"k": zeros(1, cfg.text_len, cfg.num_heads, head_dim), "v": zeros(1, cfg.text_len, cfg.num_heads, head_dim),
-         "is_init": torch.tensor(0, dtype=torch.int32, device=device)}
+        {
+            "k": zeros(1, cfg.text_len, cfg.num_heads, head_dim),
+            "v": zeros(1, cfg.text_len, cfg.num_heads, head_dim),
+            "is_init": torch.tensor(0, dtype=torch.int32, device=device),
+        }
         for _ in range(cfg.num_layers)
-    ]  # fmt: skip
+    ]
     kv_bytes = sum(t.numel() * t.element_size() for d in self_kv + cross_kv for t in (d["k"], d["v"]))
     g = torch.Generator(device=device).manual_seed(42)
     noise = torch.randn(16, *lat, generator=g, device=device)
@@ -208,11 +225,16 @@ def run_upstream(folder: Path, cfg, lat, device, chunks: int) -> dict:
         for k in range(chunks):
             sl = slice(k * CHUNK_FRAMES, (k + 1) * CHUNK_FRAMES)
             kwargs = dict(
-                context=[ctx], seq_len=CHUNK_FRAMES * frame_seqlen, y=[y[:, sl].to(dtype)],
-                dit_cond_dict={"c2ws_plucker_emb": (cam[:, :, sl].to(dtype),)}, kv_cache=self_kv,
-                crossattn_cache=cross_kv, current_start=k * CHUNK_FRAMES * frame_seqlen,
-                max_attention_size=kv_size, frame_seqlen=frame_seqlen,
-            )  # fmt: skip
+                context=[ctx],
+                seq_len=CHUNK_FRAMES * frame_seqlen,
+                y=[y[:, sl].to(dtype)],
+                dit_cond_dict={"c2ws_plucker_emb": (cam[:, :, sl].to(dtype),)},
+                kv_cache=self_kv,
+                crossattn_cache=cross_kv,
+                current_start=k * CHUNK_FRAMES * frame_seqlen,
+                max_attention_size=kv_size,
+                frame_seqlen=frame_seqlen,
+            )
             latent = noise[:, sl]
             sync(device)
             t0 = time.perf_counter()

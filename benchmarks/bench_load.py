@@ -188,8 +188,14 @@ def child_baseline(src, device, progress) -> dict:
         linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         for name, m in linears:
             parent, _, child = name.rpartition(".")
-            shell = bnb.nn.Linear4bit(m.in_features, m.out_features, m.bias is not None,
-                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")  # fmt: skip
+            shell = bnb.nn.Linear4bit(
+                m.in_features,
+                m.out_features,
+                m.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
             setattr(model.get_submodule(parent), child, shell)
         del linears, m, shell
         stage("load_file")
@@ -199,8 +205,12 @@ def child_baseline(src, device, progress) -> dict:
             comps = {t.split(".weight.", 1)[1]: state.pop(t) for p, t in layer.parts.items() if p != "weight"}
             qs = QuantState.from_dict(comps, device=device)
             target = model.get_submodule(module)
-            target.weight = bnb.nn.Params4bit(state.pop(layer.parts["weight"]).to(device), requires_grad=False,
-                                              quant_state=qs, bnb_quantized=True)  # fmt: skip
+            target.weight = bnb.nn.Params4bit(
+                state.pop(layer.parts["weight"]).to(device),
+                requires_grad=False,
+                quant_state=qs,
+                bnb_quantized=True,
+            )
             target.quant_state = qs
         stage("load_state_dict")
         model.load_state_dict(state, strict=False)
@@ -238,8 +248,22 @@ def spawn(args, mode, ckpt, workdir, cap_bytes=None, timeout=None, staging_mb=No
     result, progress = workdir / f"{mode}.json", workdir / f"{mode}.progress"
     for p in (result, progress):
         p.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--child", mode, "--ckpt", str(ckpt), "--device", args.device,
-           "--result", str(result), "--progress", str(progress), "--format", args.format]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--ckpt",
+        str(ckpt),
+        "--device",
+        args.device,
+        "--result",
+        str(result),
+        "--progress",
+        str(progress),
+        "--format",
+        args.format,
+    ]
     staging_mb = args.staging_mb if staging_mb is None else staging_mb
     if staging_mb is not None:
         cmd += ["--staging-mb", str(staging_mb)]
@@ -316,8 +340,13 @@ def write_checkpoint(args, cfg, workdir: Path) -> tuple[Path, dict]:
         seconds = time.perf_counter() - t0
     stamp.write_text(json.dumps(wanted))
     size = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
-    return ckpt, {"reused": False, "seconds": seconds, "gb": size / GB, "gbps": size / seconds / GB,
-                  "rss_anon_growth_gb": sampler.growth / GB}  # fmt: skip
+    return ckpt, {
+        "reused": False,
+        "seconds": seconds,
+        "gb": size / GB,
+        "gbps": size / seconds / GB,
+        "rss_anon_growth_gb": sampler.growth / GB,
+    }
 
 
 def main(argv=None) -> int:
@@ -326,17 +355,25 @@ def main(argv=None) -> int:
     p.add_argument(
         "--layers", type=int, default=None, help="override num_layers (scale between tiny and full)"
     )
-    p.add_argument("--format", choices=["nf4", "bf16", "fp32"], default="nf4",
-                   help="nf4: the repack's model.safetensors; bf16: an upstream expert, quantized while loading; "
-                        "fp32: LingBot-World-Fast's layout (16 fp32 shards, no config.json), quantized while loading")  # fmt: skip
+    p.add_argument(
+        "--format",
+        choices=["nf4", "bf16", "fp32"],
+        default="nf4",
+        help="nf4: the repack's model.safetensors; bf16: an upstream expert, quantized while loading; "
+        "fp32: LingBot-World-Fast's layout (16 fp32 shards, no config.json), quantized while loading",
+    )
     p.add_argument(
         "--workdir", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lingbot_bench_load"
     )
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--staging-mb", type=int, default=None, help="loader staging buffer (MiB); 0 = none")
-    p.add_argument("--baseline-cap-gb", type=float, default=None,
-                   help="anonymous RSS at which the baseline is killed (default: min(48, half of RAM) GiB)")  # fmt: skip
+    p.add_argument(
+        "--baseline-cap-gb",
+        type=float,
+        default=None,
+        help="anonymous RSS at which the baseline is killed (default: min(48, half of RAM) GiB)",
+    )
     p.add_argument("--baseline-timeout", type=float, default=240.0)
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--rewrite", action="store_true", help="write the checkpoint even if one is there")
@@ -363,11 +400,18 @@ def main(argv=None) -> int:
 
     src = detect_expert_format(ckpt, require_config=args.format != "fp32")
     summary = {
-        "scale": args.scale, "format": args.format, "device": args.device,
+        "scale": args.scale,
+        "format": args.format,
+        "device": args.device,
         "params": sum(math.prod(s) for s in model_specs(cfg)[0].values()),
-        "checkpoint": {"path": str(ckpt), "bytes": src.nbytes, "tensors": len(src.tensors),
-                       "linear4bit_stored": len(src.quant_layers), **written},
-    }  # fmt: skip
+        "checkpoint": {
+            "path": str(ckpt),
+            "bytes": src.nbytes,
+            "tensors": len(src.tensors),
+            "linear4bit_stored": len(src.quant_layers),
+            **written,
+        },
+    }
     runs = {"io_floor": [], "ours": []}
     if args.device == "cuda" and args.staging_mb is None:
         runs["ours_unstaged"] = []  # the same loader copying straight from the file's pages

@@ -95,9 +95,17 @@ def main() -> int:
 
         def step(inputs: Step):
             return pipeline.denoise(
-                lambda which: model, inputs.noise, inputs.y, inputs.context, inputs.context_null, inputs.cam,
-                settings, speed=SpeedOptions(), stats=SpeedStats(), parallel=sp,
-            )  # fmt: skip
+                lambda which: model,
+                inputs.noise,
+                inputs.y,
+                inputs.context,
+                inputs.context_null,
+                inputs.cam,
+                settings,
+                speed=SpeedOptions(),
+                stats=SpeedStats(),
+                parallel=sp,
+            )
 
         step(Step(model, cfg, device, WARMUP[args.scale]))  # kernels, NCCL communicators
         summary = {

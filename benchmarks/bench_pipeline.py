@@ -158,11 +158,30 @@ def main() -> int:
         lora = write_random_lora(args.workdir / f"lora_r{args.lora_rank}.safetensors", config, args.lora_rank)
         extra += ["--lora", str(lora)]
     argv = [
-        "generate", "--ckpt_dir", str(ckpt), "--image", str(EXAMPLE / "image.jpg"),
-        "--prompt", (EXAMPLE / "prompt.txt").read_text().strip(), "--action_path", str(EXAMPLE),
-        "--size", size, "--frame_num", str(frames), "--sampling_steps", str(args.steps),
-        "--device", device, "--output", str(out), "--overwrite", "--report", str(report), *extra,
-    ]  # fmt: skip
+        "generate",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(EXAMPLE / "image.jpg"),
+        "--prompt",
+        (EXAMPLE / "prompt.txt").read_text().strip(),
+        "--action_path",
+        str(EXAMPLE),
+        "--size",
+        size,
+        "--frame_num",
+        str(frames),
+        "--sampling_steps",
+        str(args.steps),
+        "--device",
+        device,
+        "--output",
+        str(out),
+        "--overwrite",
+        "--report",
+        str(report),
+        *extra,
+    ]
     t0 = time.perf_counter()
     with CardPeak() if cuda else contextlib.nullcontext() as card:
         rc = cli.main(argv)

@@ -178,10 +178,12 @@ def run_case(case, model, cfg, vae, device, scale, nbytes, expert_resident) -> d
         measured = res["peak"] - held
         reserved = res["reserved"] - held
         out.update(
-            start_gib=gib(res["start"] - held), measured_gib=gib(measured), reserved_gib=gib(reserved),
+            start_gib=gib(res["start"] - held),
+            measured_gib=gib(measured),
+            reserved_gib=gib(reserved),
             rel_error=round((predicted - measured) / measured, 4),
             rel_error_vs_reserved=round((predicted - reserved) / reserved, 4),
-        )  # fmt: skip
+        )
     return out
 
 

@@ -99,9 +99,16 @@ class Step:
         # boundary 0: every step on this one expert
         settings = SampleConfig(sample_steps=steps, guide_scale=(guide, guide), boundary=0.0)
         return pipeline.denoise(
-            lambda which: self.model, self.noise, self.y, self.context, self.context_null, self.cam,
-            settings, speed=options, stats=stats,
-        )  # fmt: skip
+            lambda which: self.model,
+            self.noise,
+            self.y,
+            self.context,
+            self.context_null,
+            self.cam,
+            settings,
+            speed=options,
+            stats=stats,
+        )
 
 
 def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -176,9 +183,11 @@ def lora_case(step: Step, repeats: int, rank: int, eager: dict) -> dict:
     finally:
         detach_all(step.model)
     result.update(
-        rank=rank, attach_s=round(attach_s, 3), vram_added_gib=None if added is None else round(added, 3),
+        rank=rank,
+        attach_s=round(attach_s, 3),
+        vram_added_gib=None if added is None else round(added, 3),
         overhead=round(result["step_s"] / eager["step_s"] - 1, 4),
-    )  # fmt: skip
+    )
     return result
 
 
@@ -188,9 +197,13 @@ def cache_cases(model, cfg, device, scale: str) -> dict:
     step = Step(model, cfg, device, CACHE_SHAPES[scale])
     out, exact = {"size": list(CACHE_SHAPES[scale][:3]), "steps": CACHE_STEPS}, None
     for threshold in (None, *CACHE_THRESHOLDS):
-        options = SpeedOptions() if threshold is None else SpeedOptions(
-            cache="easycache", cache_threshold=threshold, cache_keep_first=3, cache_keep_last=1
-        )  # fmt: skip
+        options = (
+            SpeedOptions()
+            if threshold is None
+            else SpeedOptions(
+                cache="easycache", cache_threshold=threshold, cache_keep_first=3, cache_keep_last=1
+            )
+        )
         stats, res = SpeedStats(), {}
         t = timed(
             lambda o=options, s=stats, r=res: r.update(latent=step(o, 5.0, s, steps=CACHE_STEPS)), device, 1
@@ -200,9 +213,12 @@ def cache_cases(model, cfg, device, scale: str) -> dict:
             out["exact"] = {"wall_s": round(t, 3), "forwards": stats.total_forwards}
             continue
         out[f"threshold_{threshold}"] = {
-            "wall_s": round(t, 3), "forwards": stats.total_forwards, "skipped_forwards": stats.total_skipped,
-            "rel_error_vs_exact": rel_error(res["latent"], exact), "bit_identical": torch.equal(res["latent"], exact),
-        }  # fmt: skip
+            "wall_s": round(t, 3),
+            "forwards": stats.total_forwards,
+            "skipped_forwards": stats.total_skipped,
+            "rel_error_vs_exact": rel_error(res["latent"], exact),
+            "bit_identical": torch.equal(res["latent"], exact),
+        }
     return out
 
 

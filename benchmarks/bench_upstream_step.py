@@ -93,11 +93,22 @@ def oom(err: Exception) -> dict:
 def upstream_kwargs(cfg) -> dict:
     """upstream WanModel's constructor arguments for our config."""
     return dict(
-        model_type="i2v", control_type=cfg.control_type, patch_size=tuple(cfg.patch_size), text_len=cfg.text_len,
-        in_dim=cfg.in_dim, dim=cfg.dim, ffn_dim=cfg.ffn_dim, freq_dim=cfg.freq_dim, text_dim=cfg.text_dim,
-        out_dim=cfg.out_dim, num_heads=cfg.num_heads, num_layers=cfg.num_layers, qk_norm=cfg.qk_norm,
-        cross_attn_norm=cfg.cross_attn_norm, eps=cfg.eps,
-    )  # fmt: skip
+        model_type="i2v",
+        control_type=cfg.control_type,
+        patch_size=tuple(cfg.patch_size),
+        text_len=cfg.text_len,
+        in_dim=cfg.in_dim,
+        dim=cfg.dim,
+        ffn_dim=cfg.ffn_dim,
+        freq_dim=cfg.freq_dim,
+        text_dim=cfg.text_dim,
+        out_dim=cfg.out_dim,
+        num_heads=cfg.num_heads,
+        num_layers=cfg.num_layers,
+        qk_norm=cfg.qk_norm,
+        cross_attn_norm=cfg.cross_attn_norm,
+        eps=cfg.eps,
+    )
 
 
 def build_upstream_nf4(up, cfg, folder: Path, device) -> tuple[torch.nn.Module, dict]:
@@ -118,14 +129,29 @@ def build_upstream_nf4(up, cfg, folder: Path, device) -> tuple[torch.nn.Module, 
         model = up.WanModel(**upstream_kwargs(cfg)).eval()
         for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]:
             parent, _, child = name.rpartition(".")
-            shell = bnb.nn.Linear4bit(m.in_features, m.out_features, m.bias is not None,
-                                      compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")  # fmt: skip
+            shell = bnb.nn.Linear4bit(
+                m.in_features,
+                m.out_features,
+                m.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+            )
             setattr(model.get_submodule(parent), child, shell)
     head_dim = cfg.dim // cfg.num_heads
     rope_donor = up.WanModel(
-        **{**upstream_kwargs(cfg), "dim": head_dim, "num_heads": 1, "num_layers": 0, "ffn_dim": head_dim,
-           "text_dim": head_dim, "freq_dim": 2, "in_dim": 1, "out_dim": 1}
-    )  # fmt: skip
+        **{
+            **upstream_kwargs(cfg),
+            "dim": head_dim,
+            "num_heads": 1,
+            "num_layers": 0,
+            "ffn_dim": head_dim,
+            "text_dim": head_dim,
+            "freq_dim": 2,
+            "in_dim": 1,
+            "out_dim": 1,
+        }
+    )
     model.freqs = rope_donor.freqs  # upstream's table for this head size, on the CPU as upstream builds it
     del rope_donor
     stage("meta_build")
@@ -140,8 +166,9 @@ def build_upstream_nf4(up, cfg, folder: Path, device) -> tuple[torch.nn.Module, 
             raise SystemExit(
                 f"{folder}: 4-bit tensors for {module}, which is no Linear in upstream's WanModel"
             )
-        target.weight = bnb.nn.Params4bit(state.pop(layer.parts["weight"]), requires_grad=False,
-                                          quant_state=qs, bnb_quantized=True)  # fmt: skip
+        target.weight = bnb.nn.Params4bit(
+            state.pop(layer.parts["weight"]), requires_grad=False, quant_state=qs, bnb_quantized=True
+        )
         target.quant_state = qs
         quantized += 1
     stage("params4bit")
@@ -212,9 +239,12 @@ def run_upstream(folder: Path, expert: Path, cfg, device, inputs: dict, repeats:
         out.update(oom(err), **vram(device))
         return out
     out.update(
-        step_s=round(min(times), 4), steps_s=[round(t, 4) for t in times], first_step_s=round(first, 4),
-        forwards=forwards[0] // repeats, **vram(device),
-    )  # fmt: skip
+        step_s=round(min(times), 4),
+        steps_s=[round(t, 4) for t in times],
+        first_step_s=round(first, 4),
+        forwards=forwards[0] // repeats,
+        **vram(device),
+    )
     if ours_pred is not None:
         out["cfg_pred_rel_diff_vs_ours"] = rel_error(pred["v"], ours_pred)
     return out

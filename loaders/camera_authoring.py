@@ -17,8 +17,15 @@ from ..wan.camera_presets import DEFAULT_HFOV_DEG, PresetPath, build_preset
 from ..wan.config import INTRINSICS_SIZE
 from .camera_files import CAMERA_FILES, CameraInput
 
-__all__ = ["DEFAULT_HFOV_DEG", "PRESET_HELP", "arrays_camera", "camera_path_arrays", "describe_path",
-           "preset_camera", "save_camera_dir"]  # fmt: skip
+__all__ = [
+    "DEFAULT_HFOV_DEG",
+    "PRESET_HELP",
+    "arrays_camera",
+    "camera_path_arrays",
+    "describe_path",
+    "preset_camera",
+    "save_camera_dir",
+]
 # The preset grammar, for `lingbot.py camera --help`: the module documentation of wan.camera_presets.
 PRESET_HELP = camera_presets.__doc__
 
@@ -38,10 +45,15 @@ def preset_camera(
 def arrays_camera(poses: np.ndarray, intrinsics: np.ndarray, name: str) -> CameraInput:
     """A CameraInput from in-memory arrays, checked like the files of a pose folder."""
     return CameraInput(
-        path=Path(name), intrinsics=validate_intrinsics(intrinsics, f"{name}: intrinsics"),
-        poses=validate_poses(poses, f"{name}: poses"), actions=None, wasd=None, ijkl=None,
-        action_string=None, act2cam_files=False,
-    )  # fmt: skip
+        path=Path(name),
+        intrinsics=validate_intrinsics(intrinsics, f"{name}: intrinsics"),
+        poses=validate_poses(poses, f"{name}: poses"),
+        actions=None,
+        wasd=None,
+        ijkl=None,
+        action_string=None,
+        act2cam_files=False,
+    )
 
 
 def save_camera_dir(folder, poses: np.ndarray, intrinsics: np.ndarray, overwrite: bool = False) -> Path:

@@ -144,6 +144,15 @@ class CameraInput:
         poses, actions, frames = self.plan(frame_num)
         lat_h, lat_w, h, w = size
         return camera_conditioning(
-            poses, self.intrinsics, frames, h, w, lat_h, lat_w, control_type=control_type,
-            actions=actions, device=device, act2cam=self.act2cam,
-        )  # fmt: skip
+            poses,
+            self.intrinsics,
+            frames,
+            h,
+            w,
+            lat_h,
+            lat_w,
+            control_type=control_type,
+            actions=actions,
+            device=device,
+            act2cam=self.act2cam,
+        )

@@ -22,10 +22,11 @@ class Check:
 def check_gpu(device: str = "cuda") -> Check:
     if not torch.cuda.is_available():
         return Check(
-            "GPU", False,
+            "GPU",
+            False,
             f"no CUDA device visible to PyTorch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}); "
             "install a CUDA build of PyTorch and an NVIDIA driver, or run with --device cpu (very slow)",
-        )  # fmt: skip
+        )
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     driver = getattr(torch.cuda, "driver_version", None)
@@ -102,8 +103,13 @@ def check_checkpoints(ckpt_dir) -> list:
         files = resolve_checkpoint_dir(Path(ckpt_dir).expanduser().resolve())
     except (ValueError, OSError) as e:
         return [Check("checkpoints", False, str(e))]
-    out = [Check("experts", True, f"{files.experts['high'].name} + {files.experts['low'].name}, "
-                 f"control {files.control_type}")]  # fmt: skip
+    out = [
+        Check(
+            "experts",
+            True,
+            f"{files.experts['high'].name} + {files.experts['low'].name}, control {files.control_type}",
+        )
+    ]
     for name, path, fn in (
         ("text encoder", files.text_encoder, read_encoder_config),
         ("VAE", files.vae, check_vae),

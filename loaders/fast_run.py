@@ -96,13 +96,22 @@ class FastModel:
     """The one Fast DiT: streamed in (quantized to NF4 on the way if asked) when first needed, optionally
     with block swap, kept until `release` (parked in RAM within `ram_budget`, else dropped)."""
 
-    def __init__(self, files: FastFiles, device, quantize: bool | None = None, swap_blocks: int = 0,
-                 ram_budget: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        files: FastFiles,
+        device,
+        quantize: bool | None = None,
+        swap_blocks: int = 0,
+        ram_budget: int = 0,
+    ):
         # ExpertSwitcher's residency, swap and parking, for a single model under one role name
         self._switcher = ExpertSwitcher(
-            {"high": files.source, "low": files.source}, device, quantize=quantize, ram_budget=ram_budget,
+            {"high": files.source, "low": files.source},
+            device,
+            quantize=quantize,
+            ram_budget=ram_budget,
             swap_blocks=swap_blocks,
-        )  # fmt: skip
+        )
         self.files = files
 
     @property
@@ -303,8 +312,9 @@ class FastMemory:
         return self.model + self.caches + self.work
 
 
-def fast_memory(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int,
-                tile=None) -> FastMemory:  # fmt: skip
+def fast_memory(
+    files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int, tile=None
+) -> FastMemory:
     """Predicted peak VRAM of a Fast run's chunk loop (text encode and first-frame encode come before the
     model loads and are smaller)."""
     cfg = files.config
@@ -316,8 +326,15 @@ def fast_memory(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize
     return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work)
 
 
-def fast_fit_issue(files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int,
-                   free_vram: int | None, tile=None) -> str | None:  # fmt: skip
+def fast_fit_issue(
+    files: FastFiles,
+    lat_shape: tuple,
+    config: FastConfig,
+    quantize: bool | None,
+    swap: int,
+    free_vram: int | None,
+    tile=None,
+) -> str | None:
     """None when the run fits `free_vram` (None: unknown, e.g. the CPU); else one message with the
     predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block swap)."""
     gib = 1 << 30
@@ -339,9 +356,10 @@ def fast_fit_issue(files: FastFiles, lat_shape: tuple, config: FastConfig, quant
     layers = files.config.num_layers
     if swap < layers and fast_memory(files, lat_shape, config, quantize, layers, tile).peak <= free_vram:
         need_swap = next(
-            n for n in range(swap, layers + 1)
+            n
+            for n in range(swap, layers + 1)
             if fast_memory(files, lat_shape, config, quantize, n, tile).peak <= free_vram
-        )  # fmt: skip
+        )
         options.append(f"--swap_blocks {need_swap}")
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"
     return (

@@ -310,8 +310,12 @@ def _parse_quant_layers(refs: dict, pt_state) -> dict:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{where}: corrupt quant_state JSON ({e})") from None
         nested = any(k in state for k in NESTED_FIELDS)
-        parts = {"weight": f"{module}.weight", "quant_state": qs_name, "absmax": f"{module}.weight.absmax",
-                 "quant_map": f"{module}.weight.quant_map"}  # fmt: skip
+        parts = {
+            "weight": f"{module}.weight",
+            "quant_state": qs_name,
+            "absmax": f"{module}.weight.absmax",
+            "quant_map": f"{module}.weight.quant_map",
+        }
         if nested:
             parts["nested_absmax"] = f"{module}.weight.nested_absmax"
             parts["nested_quant_map"] = f"{module}.weight.nested_quant_map"
@@ -495,8 +499,11 @@ def _layout(cfg: DiTConfig) -> tuple:
     linears = {
         n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)
     }
-    params = {n: tuple(p.shape) for n, p in model.named_parameters()
-              if not (n.endswith(".weight") and n[: -len(".weight")] in linears)}  # fmt: skip
+    params = {
+        n: tuple(p.shape)
+        for n, p in model.named_parameters()
+        if not (n.endswith(".weight") and n[: -len(".weight")] in linears)
+    }
     return params, linears
 
 

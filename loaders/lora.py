@@ -235,8 +235,10 @@ def read_lora(source, model: nn.Module, strength: float | None = None, allow_unm
                 )
             if part == "alpha":
                 if t.numel() != 1:
-                    raise LoraError(f"LoRA {spec.path}: tensor {key!r} (alpha) has shape {list(t.shape)}, "
-                                    "expected a single value")  # fmt: skip
+                    raise LoraError(
+                        f"LoRA {spec.path}: tensor {key!r} (alpha) has shape {list(t.shape)}, "
+                        "expected a single value"
+                    )
                 t = float(t.float().item())
             tensors[part] = t
         patches[target] = LoraPatch(**tensors, keys=dict(parts))

@@ -327,8 +327,11 @@ class MemoryPlan:
             f"{'phase':<13} {'peak VRAM':>10} {'peak RAM':>10}",
         ]
         if self.ranks > 1:
-            lines.insert(1, f"sequence parallel over {self.ranks} ranks: VRAM per rank (rank 0's GPU), "
-                            f"RAM for all {self.ranks} processes on this host")  # fmt: skip
+            lines.insert(
+                1,
+                f"sequence parallel over {self.ranks} ranks: VRAM per rank (rank 0's GPU), "
+                f"RAM for all {self.ranks} processes on this host",
+            )
         for p in self.phases:
             note = f"  {p.note}" if p.note else ""
             lines.append(f"{p.name:<13} {p.vram / GIB:>6.2f} GiB {p.ram / GIB:>6.2f} GiB{note}")
@@ -358,16 +361,27 @@ def _tile_text(tile) -> str:
 class Planner:
     """Predicts a run's memory from sizes and settings; `plan()` for the table, `check()` to refuse."""
 
-    def __init__(self, config: DiTConfig, size: tuple, frame_num: int, request: MemoryRequest,
-                 image_hw: tuple | None = None, max_area: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        config: DiTConfig,
+        size: tuple,
+        frame_num: int,
+        request: MemoryRequest,
+        image_hw: tuple | None = None,
+        max_area: int | None = None,
+    ):
         self.config, self.size, self.frame_num, self.request = config, size, frame_num, request
         self.image_hw, self.max_area = image_hw, max_area
 
     def with_(self, size=None, frame_num=None, **request) -> "Planner":
         return Planner(
-            self.config, size or self.size, frame_num or self.frame_num, replace(self.request, **request),
-            self.image_hw, self.max_area,
-        )  # fmt: skip
+            self.config,
+            size or self.size,
+            frame_num or self.frame_num,
+            replace(self.request, **request),
+            self.image_hw,
+            self.max_area,
+        )
 
     def plan(self, budget: int | None = None) -> MemoryPlan:
         """Each phase's peaks; `budget` (free VRAM) resolves 'auto' swap and tiling as the run would."""
@@ -448,10 +462,19 @@ class Planner:
             others = (ranks - 1) * PROCESS_RAM
             phases = tuple(replace(p, ram=p.ram + others) for p in phases)
         return MemoryPlan(
-            phases=phases, swap_blocks=int(swap), vae_tile=tile, tokens=tokens, size=self.size,
-            frame_num=self.frame_num, planner=self, encode_tile=enc_tile, ranks=ranks,
-            lean_activations=bool(lean), budget=budget, text_overlap=overlap,
-        )  # fmt: skip
+            phases=phases,
+            swap_blocks=int(swap),
+            vae_tile=tile,
+            tokens=tokens,
+            size=self.size,
+            frame_num=self.frame_num,
+            planner=self,
+            encode_tile=enc_tile,
+            ranks=ranks,
+            lean_activations=bool(lean),
+            budget=budget,
+            text_overlap=overlap,
+        )
 
     def _text_overlap(
         self, text: Phase, encode: Phase, high: Phase, act: int, t5_gpu: bool, swap: int, budget
@@ -606,8 +629,13 @@ def format_suggestions(suggestions: list, names: dict | None = None) -> str:
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
-def check(planner: Planner, free_vram: int | None, cap: int | None = None, free_ram: int | None = None,
-          names: dict | None = None) -> MemoryPlan:  # fmt: skip
+def check(
+    planner: Planner,
+    free_vram: int | None,
+    cap: int | None = None,
+    free_ram: int | None = None,
+    names: dict | None = None,
+) -> MemoryPlan:
     """The plan for this much free memory (`cap`, if given, bounds the VRAM too). Raises MemoryPlanError
     naming the first phase that does not fit, its prediction, and single changes that would fit."""
     budget = free_vram if cap is None else (cap if free_vram is None else min(free_vram, cap))

@@ -84,13 +84,13 @@ def _quant_meta(src: ExpertSource, nbytes: int) -> dict:
             "quant_type": "nf4",
             "blocksize": 64,
             "from_dtype": "bfloat16",
-        },  # fmt: skip
+        },
         "files": {"weights": NF4_WEIGHTS, "config": CONFIG},
         "sizes": {
             "original_bytes": src.nbytes,
             "quantized_bytes": nbytes,
             "compression_ratio": round(src.nbytes / nbytes, 2),
-        },  # fmt: skip
+        },
         "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -106,10 +106,18 @@ class Plan:
             cam, frames = self.camera.pack(self.config.control_type, self.frame_num, self.size, device)
             assert frames == self.frame_num, (frames, self.frame_num)  # plan_request already capped it
         return dict(
-            image=image, context=context, context_null=context_null, size=self.size,
-            frame_num=self.frame_num, settings=self.settings, cam=cam, device=torch.device(device),
-            speed=self.speed, parallel=SequenceParallel() if self.ulysses_size > 1 else None, text=text,
-        )  # fmt: skip
+            image=image,
+            context=context,
+            context_null=context_null,
+            size=self.size,
+            frame_num=self.frame_num,
+            settings=self.settings,
+            cam=cam,
+            device=torch.device(device),
+            speed=self.speed,
+            parallel=SequenceParallel() if self.ulysses_size > 1 else None,
+            text=text,
+        )
 
 
 def check_text_dim(width: int, config: DiTConfig) -> None:
@@ -266,9 +274,12 @@ def plan_request(
         from .planner import Planner
 
         request = replace(
-            memory.request, compile=bool(speed.compile), swap_blocks=swap_blocks, ulysses_size=ulysses_size,
+            memory.request,
+            compile=bool(speed.compile),
+            swap_blocks=swap_blocks,
+            ulysses_size=ulysses_size,
             lean_activations=speed.lean_activations,
-        )  # fmt: skip
+        )
         memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
         if swap_blocks == "auto" and memory.free_vram is not None:  # the least swapping that fits
             swap_blocks = memory_plan.swap_blocks
@@ -277,10 +288,17 @@ def plan_request(
     if speed.lean_activations == "auto":  # no memory check: the normal blocks, today's exact results
         speed = replace(speed, lean_activations=False)
     return Plan(
-        size=size, frame_num=frames, settings=settings, config=config, camera=camera,
-        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys), speed=speed, memory=memory_plan,
-        swap_blocks=swap_blocks, ulysses_size=ulysses_size,
-    )  # fmt: skip
+        size=size,
+        frame_num=frames,
+        settings=settings,
+        config=config,
+        camera=camera,
+        loras=read_expert_loras(loras, config, allow_unmatched_lora_keys),
+        speed=speed,
+        memory=memory_plan,
+        swap_blocks=swap_blocks,
+        ulysses_size=ulysses_size,
+    )
 
 
 def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, world: int | None = None) -> None:

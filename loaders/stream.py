@@ -67,9 +67,15 @@ def build_expert_meta(
             if not isinstance(layer, nn.Linear) or not chosen(name):
                 continue
             parent, _, child = name.rpartition(".")
-            shell = bnb.nn.Linear4bit(layer.in_features, layer.out_features, layer.bias is not None,
-                                      compute_dtype=compute_dtype, compress_statistics=True,
-                                      quant_type=quant_type, device="meta")  # fmt: skip
+            shell = bnb.nn.Linear4bit(
+                layer.in_features,
+                layer.out_features,
+                layer.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=True,
+                quant_type=quant_type,
+                device="meta",
+            )
             # bitsandbytes >= 0.50 repacks a layer's weight in place for its AVX512-BF16 CPU kernel on the
             # first CPU forward: that breaks layers narrower than a quant block and rewrites the stored NF4
             # layout that dequantizing, parking and the LoRA side path rely on. Keep the portable kernel.
@@ -83,8 +89,9 @@ def release(model: nn.Module) -> None:
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                        requires_grad=False)  # fmt: skip
+                module._parameters[name] = nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False
+                )
         if hasattr(module, "quant_state"):
             module.quant_state = None
     if isinstance(model, WanModel):
@@ -181,9 +188,16 @@ def _views(src: ExpertSource):
 def _params4bit(packed: torch.Tensor, qs):
     import bitsandbytes as bnb
 
-    return bnb.nn.Params4bit(packed.reshape(-1, 1), requires_grad=False, quant_state=qs, blocksize=qs.blocksize,
-                             compress_statistics=qs.nested, quant_type=qs.quant_type,
-                             quant_storage=packed.dtype, bnb_quantized=True)  # fmt: skip
+    return bnb.nn.Params4bit(
+        packed.reshape(-1, 1),
+        requires_grad=False,
+        quant_state=qs,
+        blocksize=qs.blocksize,
+        compress_statistics=qs.nested,
+        quant_type=qs.quant_type,
+        quant_storage=packed.dtype,
+        bnb_quantized=True,
+    )
 
 
 def _restore_quant_state(layer: QuantLayer, parts: dict, device: torch.device):
@@ -231,14 +245,29 @@ def quantize_nf4(weight: torch.Tensor, dtype: torch.dtype):
     # second level, as quantize_4bit(compress_statistics=True): 8-bit block scales around their mean
     offset = absmax.mean()
     qabsmax, state2 = bnb_f.quantize_blockwise(absmax - offset, blocksize=256)
-    qs = bnb_f.QuantState(absmax=qabsmax, shape=weight.shape, dtype=dtype, blocksize=NF4_ARGS["blocksize"],
-                          code=bnb_f.get_4bit_type("nf4", device="cpu"), quant_type="nf4",
-                          offset=offset, state2=state2)  # fmt: skip
+    qs = bnb_f.QuantState(
+        absmax=qabsmax,
+        shape=weight.shape,
+        dtype=dtype,
+        blocksize=NF4_ARGS["blocksize"],
+        code=bnb_f.get_4bit_type("nf4", device="cpu"),
+        quant_type="nf4",
+        offset=offset,
+        state2=state2,
+    )
     return packed, qs
 
 
-def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtype, staging_bytes,
-          check_interrupt=lambda: None, merge=()) -> WanModel:  # fmt: skip
+def _load(
+    src: ExpertSource,
+    device: torch.device,
+    quantize,
+    dtype,
+    compute_dtype,
+    staging_bytes,
+    check_interrupt=lambda: None,
+    merge=(),
+) -> WanModel:
     import bitsandbytes.functional as bnb_f
 
     _, linears = expected_layout(src.dit_config)
@@ -296,9 +325,16 @@ def _load(src: ExpertSource, device: torch.device, quantize, dtype, compute_dtyp
     return model.eval().requires_grad_(False)
 
 
-def load_expert(source, device=None, quantize: bool | None = None, dtype: torch.dtype = torch.bfloat16, *,
-                compute_dtype: torch.dtype = torch.bfloat16, staging_bytes: int | None = None,
-                merge_loras=()) -> WanModel:  # fmt: skip
+def load_expert(
+    source,
+    device=None,
+    quantize: bool | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    staging_bytes: int | None = None,
+    merge_loras=(),
+) -> WanModel:
     """Load one expert into a `WanModel` on `device` (default: CUDA when present, else CPU).
 
     source: a path (anything `detect_expert_format` takes) or an ExpertSource.

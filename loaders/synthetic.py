@@ -128,10 +128,23 @@ def _quantized_state(module: str, weight: torch.Tensor, bias: torch.Tensor | Non
     import bitsandbytes as bnb
 
     out_f, in_f = weight.shape
-    layer = bnb.nn.Linear4bit(in_f, out_f, bias is not None, compute_dtype=torch.bfloat16,
-                              compress_statistics=True, quant_type="nf4", device="meta")  # fmt: skip
-    layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, blocksize=NF4_BLOCKSIZE,
-                                     compress_statistics=True, quant_type="nf4", module=layer)  # fmt: skip
+    layer = bnb.nn.Linear4bit(
+        in_f,
+        out_f,
+        bias is not None,
+        compute_dtype=torch.bfloat16,
+        compress_statistics=True,
+        quant_type="nf4",
+        device="meta",
+    )
+    layer.weight = bnb.nn.Params4bit(
+        weight,
+        requires_grad=False,
+        blocksize=NF4_BLOCKSIZE,
+        compress_statistics=True,
+        quant_type="nf4",
+        module=layer,
+    )
     if bias is not None:
         layer.bias = nn.Parameter(bias, requires_grad=False)
     layer = layer.to("cpu")  # Params4bit quantizes on its first move to a real device
@@ -164,8 +177,15 @@ def _random_nf4_parts(module: str, shape: tuple, seed: int) -> dict:
     g = torch.Generator().manual_seed(_seed(seed, module))
     offset = 0.25 / math.sqrt(shape[1]) * (0.9 + 0.2 * torch.rand((), generator=g).item())
     nested_blocks = math.ceil(blocks / NESTED_BLOCKSIZE)
-    state = {"quant_type": "nf4", "blocksize": NF4_BLOCKSIZE, "dtype": "bfloat16", "shape": list(shape),
-             "nested_blocksize": NESTED_BLOCKSIZE, "nested_dtype": "float32", "nested_offset": offset}  # fmt: skip
+    state = {
+        "quant_type": "nf4",
+        "blocksize": NF4_BLOCKSIZE,
+        "dtype": "bfloat16",
+        "shape": list(shape),
+        "nested_blocksize": NESTED_BLOCKSIZE,
+        "nested_dtype": "float32",
+        "nested_offset": offset,
+    }
     w = f"{module}.weight"
     return {
         w: (torch.uint8, ((n + 1) // 2, 1)),
@@ -177,8 +197,16 @@ def _random_nf4_parts(module: str, shape: tuple, seed: int) -> dict:
     }
 
 
-def write_nf4_expert(directory, cfg: DiTConfig, seed: int = 0, *, mode: str = "quantize",
-                     pt: bool = False, meta: bool = True, dtype: torch.dtype = torch.bfloat16) -> Path:  # fmt: skip
+def write_nf4_expert(
+    directory,
+    cfg: DiTConfig,
+    seed: int = 0,
+    *,
+    mode: str = "quantize",
+    pt: bool = False,
+    meta: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Path:
     """An NF4 expert folder like ``high_noise_model_bnb_nf4/``; returns the folder.
 
     mode "quantize": bnb quantizes the `random_tensor` weights (every tensor in RAM; small
@@ -233,8 +261,10 @@ def write_nf4_expert(directory, cfg: DiTConfig, seed: int = 0, *, mode: str = "q
 
 
 def _materialise(parts: dict, pool: _BytePool) -> dict:
-    return {k: v if isinstance(v, torch.Tensor) else pool.take(math.prod(v[1]), k).view(v[1]).clone()
-            for k, v in parts.items()}  # fmt: skip
+    return {
+        k: v if isinstance(v, torch.Tensor) else pool.take(math.prod(v[1]), k).view(v[1]).clone()
+        for k, v in parts.items()
+    }
 
 
 def _quant_meta(cfg: DiTConfig, params: dict, nbytes: int, pt: bool) -> dict:
@@ -256,7 +286,7 @@ def _quant_meta(cfg: DiTConfig, params: dict, nbytes: int, pt: bool) -> dict:
             "original_bytes": original,
             "quantized_bytes": nbytes,
             "compression_ratio": round(original / nbytes, 2),
-        },  # fmt: skip
+        },
         "versions": {"torch": torch.__version__, "bitsandbytes": bnb.__version__},
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -265,8 +295,9 @@ def _quant_meta(cfg: DiTConfig, params: dict, nbytes: int, pt: bool) -> dict:
 # ----------------------------------------------------------------------------- dense layouts
 
 
-def write_diffusers_expert(directory, cfg: DiTConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                           shards: int = 1) -> Path:  # fmt: skip
+def write_diffusers_expert(
+    directory, cfg: DiTConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, shards: int = 1
+) -> Path:
     """Upstream's ``<role>_noise_model/``: config.json + ``diffusion_pytorch_model.safetensors``,
     or `shards` files ``diffusion_pytorch_model-0000i-of-0000n.safetensors`` and their index."""
     out = Path(directory)
@@ -300,8 +331,15 @@ def write_diffusers_expert(directory, cfg: DiTConfig, seed: int = 0, dtype: torc
     return out
 
 
-def write_single_safetensors(path, cfg: DiTConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, *,
-                             prefix: str = "", config_metadata: bool = True) -> Path:  # fmt: skip
+def write_single_safetensors(
+    path,
+    cfg: DiTConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    prefix: str = "",
+    config_metadata: bool = True,
+) -> Path:
     """One ``.safetensors`` file of the whole expert, keys optionally prefixed (e.g.
     ``model.diffusion_model.``). config_metadata: store config.json in the header's metadata
     (needed when num_heads is not dim/128)."""

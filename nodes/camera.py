@@ -59,26 +59,35 @@ class LingBotCamera:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "camera_path": ("STRING", {
-                    "default": DEFAULT_PATH,
-                    "tooltip": "Folder with poses.npy [N,4,4] camera-to-world (OpenCV) and intrinsics.npy [N,4] "
-                    "(fx, fy, cx, cy at 480x832); action.npy too for the Act model. Relative paths are looked up "
-                    "in this node pack's folder, then in ComfyUI's input folder.",
-                }),
+                "camera_path": (
+                    "STRING",
+                    {
+                        "default": DEFAULT_PATH,
+                        "tooltip": "Folder with poses.npy [N,4,4] camera-to-world (OpenCV) and intrinsics.npy [N,4] "
+                        "(fx, fy, cx, cy at 480x832); action.npy too for the Act model. Relative paths are looked up "
+                        "in this node pack's folder, then in ComfyUI's input folder.",
+                    },
+                ),
             },
             "optional": {
-                "action_string": ("STRING", {
-                    "default": "",
-                    "tooltip": "act2cam keys instead of poses.npy, e.g. 'w-10,a-10,iw-15,none-10' "
-                    "(keys w a s d i j k l or none, then frames). Empty = use the poses.",
-                }),
-                "act2cam_from_files": ("BOOLEAN", {
-                    "default": False,
-                    "tooltip": "Drive the camera from the folder's wasd_action.npy / ijkl_action.npy (act2cam) "
-                    "instead of poses.npy.",
-                }),
+                "action_string": (
+                    "STRING",
+                    {
+                        "default": "",
+                        "tooltip": "act2cam keys instead of poses.npy, e.g. 'w-10,a-10,iw-15,none-10' "
+                        "(keys w a s d i j k l or none, then frames). Empty = use the poses.",
+                    },
+                ),
+                "act2cam_from_files": (
+                    "BOOLEAN",
+                    {
+                        "default": False,
+                        "tooltip": "Drive the camera from the folder's wasd_action.npy / ijkl_action.npy (act2cam) "
+                        "instead of poses.npy.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, camera_path=None, action_string=None):
@@ -135,47 +144,84 @@ class LingBotCameraPreset:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "preset": ("STRING", {
-                    "multiline": True, "default": "orbit left 30 around 2 + dolly in 0.5 40f ease, pan right 15 40f ease",
-                    "tooltip": "Segments separated by ',' or ';', each '<motion> [direction] [amount] [+ more "
-                    "motions] [Nf] [easing]'. Motions: pan left|right DEG, tilt up|down DEG, roll left|right "
-                    "DEG, dolly in|out UNITS, truck left|right UNITS, pedestal up|down UNITS, orbit left|right "
-                    "DEG [around DIST], zoom in|out FACTOR, static. Easing: linear, ease-in, ease-out, "
-                    "ease-in-out (ease). Segments without Nf share the frames left.",
-                }),
-                "frame_num": ("INT", {
-                    "default": 0, "min": 0, "max": 1601, "step": 1,
-                    "tooltip": "Frames of the path, 4n+1. 0 = 81 when a segment has no frame count, else the "
-                    "segments' total rounded up to 4n+1 (the last pose is held).",
-                }),
-                "speed": ("FLOAT", {
-                    "default": 1.0, "min": 0.0, "max": 10.0, "step": 0.05,
-                    "tooltip": "Scales every amount (degrees, units, zoom). The model sees translations "
-                    "normalised per path (as upstream), so speed mostly changes the rotations.",
-                }),
-                "fov": ("FLOAT", {
-                    "default": DEFAULT_HFOV_DEG, "min": 10.0, "max": 150.0, "step": 1.0,
-                    "tooltip": "Horizontal field of view in degrees, for the intrinsics.",
-                }),
-                "width": ("INT", {
-                    "default": 832, "min": 16, "max": 4096, "step": 16,
-                    "tooltip": "Video width the intrinsics are meant for (square pixels at width x height); "
-                    "stored at 480x832 as upstream's intrinsics.npy.",
-                }),
-                "height": ("INT", {
-                    "default": 480, "min": 16, "max": 4096, "step": 16,
-                    "tooltip": "Video height the intrinsics are meant for.",
-                }),
+                "preset": (
+                    "STRING",
+                    {
+                        "multiline": True,
+                        "default": "orbit left 30 around 2 + dolly in 0.5 40f ease, pan right 15 40f ease",
+                        "tooltip": "Segments separated by ',' or ';', each '<motion> [direction] [amount] [+ more "
+                        "motions] [Nf] [easing]'. Motions: pan left|right DEG, tilt up|down DEG, roll left|right "
+                        "DEG, dolly in|out UNITS, truck left|right UNITS, pedestal up|down UNITS, orbit left|right "
+                        "DEG [around DIST], zoom in|out FACTOR, static. Easing: linear, ease-in, ease-out, "
+                        "ease-in-out (ease). Segments without Nf share the frames left.",
+                    },
+                ),
+                "frame_num": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 1601,
+                        "step": 1,
+                        "tooltip": "Frames of the path, 4n+1. 0 = 81 when a segment has no frame count, else the "
+                        "segments' total rounded up to 4n+1 (the last pose is held).",
+                    },
+                ),
+                "speed": (
+                    "FLOAT",
+                    {
+                        "default": 1.0,
+                        "min": 0.0,
+                        "max": 10.0,
+                        "step": 0.05,
+                        "tooltip": "Scales every amount (degrees, units, zoom). The model sees translations "
+                        "normalised per path (as upstream), so speed mostly changes the rotations.",
+                    },
+                ),
+                "fov": (
+                    "FLOAT",
+                    {
+                        "default": DEFAULT_HFOV_DEG,
+                        "min": 10.0,
+                        "max": 150.0,
+                        "step": 1.0,
+                        "tooltip": "Horizontal field of view in degrees, for the intrinsics.",
+                    },
+                ),
+                "width": (
+                    "INT",
+                    {
+                        "default": 832,
+                        "min": 16,
+                        "max": 4096,
+                        "step": 16,
+                        "tooltip": "Video width the intrinsics are meant for (square pixels at width x height); "
+                        "stored at 480x832 as upstream's intrinsics.npy.",
+                    },
+                ),
+                "height": (
+                    "INT",
+                    {
+                        "default": 480,
+                        "min": 16,
+                        "max": 4096,
+                        "step": 16,
+                        "tooltip": "Video height the intrinsics are meant for.",
+                    },
+                ),
             },
             "optional": {
-                "save_folder": ("STRING", {
-                    "default": "",
-                    "tooltip": "Also write poses.npy + intrinsics.npy here (relative = under ComfyUI's input "
-                    "folder, where LingBot Camera Path finds it). Existing files there are replaced. Empty = "
-                    "don't save.",
-                }),
+                "save_folder": (
+                    "STRING",
+                    {
+                        "default": "",
+                        "tooltip": "Also write poses.npy + intrinsics.npy here (relative = under ComfyUI's input "
+                        "folder, where LingBot Camera Path finds it). Existing files there are replaced. Empty = "
+                        "don't save.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, preset=None, frame_num=None):
@@ -215,13 +261,19 @@ class LingBotCameraPreview:
         return {
             "required": {
                 "camera": (CAMERA, {"tooltip": "From LingBot Camera Path or LingBot Camera Preset."}),
-                "frame_num": ("INT", {
-                    "default": 81, "min": 1, "max": 1601, "step": 4,
-                    "tooltip": "Frames the sampler will generate (4n+1); a pose file is drawn up to there. Wire "
-                    "the camera node's frame_num. Action strings and presets set their own length.",
-                }),
+                "frame_num": (
+                    "INT",
+                    {
+                        "default": 81,
+                        "min": 1,
+                        "max": 1601,
+                        "step": 4,
+                        "tooltip": "Frames the sampler will generate (4n+1); a pose file is drawn up to there. Wire "
+                        "the camera node's frame_num. Action strings and presets set their own length.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, frame_num=None):

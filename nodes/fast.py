@@ -66,35 +66,56 @@ class LingBotFastLoader:
         choices = fast_choices() or [NO_MODEL]
         return {
             "required": {
-                "model": (choices, {
-                    "default": _default(choices, "fast"),
-                    "tooltip": "The Fast model folder from models/diffusion_models, e.g. lingbot_world_fast "
-                    "(huggingface-cli download robbyant/lingbot-world-fast) or lingbot_world_fast_nf4.",
-                }),
-                "quantize_to_nf4": ("BOOLEAN", {
-                    "default": True,
-                    "tooltip": "Quantize a bf16/fp32 model to NF4 while streaming it in (~9.6 GB instead of "
-                    "~37 GB in bf16). An NF4 folder is used as stored either way.",
-                }),
-                "keep_in_ram_gb": ("FLOAT", {
-                    "default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
-                    "tooltip": "Host RAM allowed for keeping the loaded model between runs (NF4: ~10 GB). "
-                    "0 = stream it from disk again on every run.",
-                }),
+                "model": (
+                    choices,
+                    {
+                        "default": _default(choices, "fast"),
+                        "tooltip": "The Fast model folder from models/diffusion_models, e.g. lingbot_world_fast "
+                        "(huggingface-cli download robbyant/lingbot-world-fast) or lingbot_world_fast_nf4.",
+                    },
+                ),
+                "quantize_to_nf4": (
+                    "BOOLEAN",
+                    {
+                        "default": True,
+                        "tooltip": "Quantize a bf16/fp32 model to NF4 while streaming it in (~9.6 GB instead of "
+                        "~37 GB in bf16). An NF4 folder is used as stored either way.",
+                    },
+                ),
+                "keep_in_ram_gb": (
+                    "FLOAT",
+                    {
+                        "default": 0.0,
+                        "min": 0.0,
+                        "max": 1024.0,
+                        "step": 1.0,
+                        "tooltip": "Host RAM allowed for keeping the loaded model between runs (NF4: ~10 GB). "
+                        "0 = stream it from disk again on every run.",
+                    },
+                ),
             },
             "optional": {
-                "ckpt_dir": ("STRING", {
-                    "default": "",
-                    "tooltip": "Optional: the Fast model folder, or the base-cam folder holding "
-                    "lingbot_world_fast(_nf4)/; when set it replaces the list above.",
-                }),
-                "swap_blocks": ("INT", {
-                    "default": 0, "min": 0, "max": 40, "step": 1,
-                    "tooltip": "DiT blocks kept in pinned host RAM and streamed to the GPU one block ahead of "
-                    "their turn: less VRAM, identical results, a little slower. 0 = all on the GPU.",
-                }),
+                "ckpt_dir": (
+                    "STRING",
+                    {
+                        "default": "",
+                        "tooltip": "Optional: the Fast model folder, or the base-cam folder holding "
+                        "lingbot_world_fast(_nf4)/; when set it replaces the list above.",
+                    },
+                ),
+                "swap_blocks": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 40,
+                        "step": 1,
+                        "tooltip": "DiT blocks kept in pinned host RAM and streamed to the GPU one block ahead of "
+                        "their turn: less VRAM, identical results, a little slower. 0 = all on the GPU.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     def load(self, model, quantize_to_nf4, keep_in_ram_gb, ckpt_dir="", swap_blocks=0):
         if ckpt_dir.strip():
@@ -116,10 +137,14 @@ class LingBotFastLoader:
         quantize = True if quantize_to_nf4 else None
         nbytes = fast_run.device_bytes(source, quantize)
         handle = FastHandle(
-            paths={"high": source, "low": source}, config=config, nbytes={"high": nbytes, "low": nbytes},
-            quantize=quantize, ram_budget=int(keep_in_ram_gb * memory.GIB), swap_blocks=swap_blocks,
+            paths={"high": source, "low": source},
+            config=config,
+            nbytes={"high": nbytes, "low": nbytes},
+            quantize=quantize,
+            ram_budget=int(keep_in_ram_gb * memory.GIB),
+            swap_blocks=swap_blocks,
             source=source,
-        )  # fmt: skip
+        )
         return (handle,)
 
 
@@ -141,41 +166,78 @@ class LingBotFastSampler:
             "required": {
                 "model": (FAST, {"tooltip": "From LingBot Fast Loader."}),
                 **frame_inputs(),
-                "length": ("INT", {
-                    "default": 81, "min": 9, "max": 1601, "step": 4,
-                    "tooltip": "Video frames; rounded down to whole chunks of 3 latent frames (81 -> 81, "
-                    "161 -> 153). A pose file with fewer poses caps it; an action string sets it.",
-                }),
-                "seed": ("INT", {
-                    "default": 42, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
-                    "tooltip": "Noise seed (upstream: 42). Noise is drawn on the sampling device.",
-                }),
-                "shift": ("FLOAT", {
-                    "default": 10.0, "min": 0.1, "max": 100.0, "step": 0.1,
-                    "tooltip": "Timestep shift (upstream's Fast CLI: 10, giving t = 999, 978, 947, 825).",
-                }),
-                "local_attn_size": ("INT", {
-                    "default": -1, "min": -1, "max": 1024,
-                    "tooltip": "Latent frames the attention cache keeps, sink included; -1 = all (upstream). "
-                    "A window bounds memory and per-chunk time on long clips (e.g. 15 or 21).",
-                }),
-                "sink_size": ("INT", {
-                    "default": 0, "min": 0, "max": 1024,
-                    "tooltip": "Latent frames at the start the window never evicts (e.g. 3: the first chunk).",
-                }),
-                "kv_dtype": (list(fast_run.KV_DTYPES), {
-                    "default": "bf16",
-                    "tooltip": "Attention cache dtype: bf16 as upstream, or fp8 (e4m3) at half the memory.",
-                }),
+                "length": (
+                    "INT",
+                    {
+                        "default": 81,
+                        "min": 9,
+                        "max": 1601,
+                        "step": 4,
+                        "tooltip": "Video frames; rounded down to whole chunks of 3 latent frames (81 -> 81, "
+                        "161 -> 153). A pose file with fewer poses caps it; an action string sets it.",
+                    },
+                ),
+                "seed": (
+                    "INT",
+                    {
+                        "default": 42,
+                        "min": 0,
+                        "max": 0xFFFFFFFFFFFFFFFF,
+                        "control_after_generate": True,
+                        "tooltip": "Noise seed (upstream: 42). Noise is drawn on the sampling device.",
+                    },
+                ),
+                "shift": (
+                    "FLOAT",
+                    {
+                        "default": 10.0,
+                        "min": 0.1,
+                        "max": 100.0,
+                        "step": 0.1,
+                        "tooltip": "Timestep shift (upstream's Fast CLI: 10, giving t = 999, 978, 947, 825).",
+                    },
+                ),
+                "local_attn_size": (
+                    "INT",
+                    {
+                        "default": -1,
+                        "min": -1,
+                        "max": 1024,
+                        "tooltip": "Latent frames the attention cache keeps, sink included; -1 = all (upstream). "
+                        "A window bounds memory and per-chunk time on long clips (e.g. 15 or 21).",
+                    },
+                ),
+                "sink_size": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 1024,
+                        "tooltip": "Latent frames at the start the window never evicts (e.g. 3: the first chunk).",
+                    },
+                ),
+                "kv_dtype": (
+                    list(fast_run.KV_DTYPES),
+                    {
+                        "default": "bf16",
+                        "tooltip": "Attention cache dtype: bf16 as upstream, or fp8 (e4m3) at half the memory.",
+                    },
+                ),
             },
             "optional": {
-                "camera": (CAMERA, {"tooltip": "From LingBot Camera / Camera Preset. Without it: no camera input."}),
+                "camera": (
+                    CAMERA,
+                    {"tooltip": "From LingBot Camera / Camera Preset. Without it: no camera input."},
+                ),
                 "text": (TEXT, {"tooltip": "From LingBot Text Encode; only the prompt is used (no CFG)."}),
-                "positive": ("CONDITIONING", {
-                    "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP.",
-                }),
+                "positive": (
+                    "CONDITIONING",
+                    {
+                        "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, max_area=None, length=None, local_attn_size=None, sink_size=None):
@@ -191,8 +253,25 @@ class LingBotFastSampler:
             return str(e)
         return True
 
-    def sample(self, model, vae, image, sizing, max_area, width, height, length, seed, shift, local_attn_size,
-               sink_size, kv_dtype, camera=None, text=None, positive=None):  # fmt: skip
+    def sample(
+        self,
+        model,
+        vae,
+        image,
+        sizing,
+        max_area,
+        width,
+        height,
+        length,
+        seed,
+        shift,
+        local_attn_size,
+        sink_size,
+        kv_dtype,
+        camera=None,
+        text=None,
+        positive=None,
+    ):
         if (text is None) == (positive is None):
             raise ValueError(
                 "text: connect LingBot Text Encode to 'text' or a CLIP Text Encode to 'positive' (one)"
@@ -244,7 +323,12 @@ class LingBotFastSampler:
         model.release()
         log.info(
             "LingBot-World-Fast, %d frames at %dx%d in %d chunks:\n%s\n%s",
-            frames, size[3], size[2], chunks, phases.table(), "\n".join(t.line() for t in timings),
-        )  # fmt: skip
+            frames,
+            size[3],
+            size[2],
+            chunks,
+            phases.table(),
+            "\n".join(t.line() for t in timings),
+        )
         samples = vae.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
         return ({"samples": samples},)

@@ -114,9 +114,13 @@ class ExpertsHandle:
         """A new handle (own switcher, own parked experts) with one more LoRA; `merge`: added into the
         weights before quantizing instead of as a side path."""
         return replace(
-            self, loras=(*self.loras, spec), lora_merge=(*self.lora_merge, bool(merge)), _switcher=None,
-            _switcher_key=None, allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
-        )  # fmt: skip
+            self,
+            loras=(*self.loras, spec),
+            lora_merge=(*self.lora_merge, bool(merge)),
+            _switcher=None,
+            _switcher_key=None,
+            allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
+        )
 
     def provider(self, device, working_bytes: int, loras: dict):
         """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load."""
@@ -168,43 +172,67 @@ class LingBotExpertsLoader:
         choices = expert_choices() or [NO_EXPERTS]
         return {
             "required": {
-                "high_noise_expert": (choices, {
-                    "default": _default(choices, "high"),
-                    "tooltip": "High-noise expert from models/diffusion_models: a folder such as "
-                    "lingbot-world-base-cam-nf4/high_noise_model_bnb_nf4, or one .safetensors file. The NF4 "
-                    "folders come from huggingface.co/cahlen/lingbot-world-base-cam-nf4 (download the "
-                    "high_noise_model_bnb_nf4/ and low_noise_model_bnb_nf4/ folders whole into "
-                    "models/diffusion_models/lingbot-world-base-cam-nf4/).",
-                }),
-                "low_noise_expert": (choices, {
-                    "default": _default(choices, "low"),
-                    "tooltip": "Low-noise expert, same forms as the high-noise one.",
-                }),
-                "quantize_to_nf4": ("BOOLEAN", {
-                    "default": False,
-                    "tooltip": "Quantize bf16/fp32 experts to NF4 while streaming them in (~3.9x less "
-                    "memory). NF4 checkpoints are used as stored either way.",
-                }),
-                "keep_in_ram_gb": ("FLOAT", {
-                    "default": 0.0, "min": 0.0, "max": 1024.0, "step": 1.0,
-                    "tooltip": "Host RAM allowed for parking experts between phases and runs "
-                    "(an NF4 expert needs ~10 GB). 0 = drop each expert and stream it from disk again.",
-                }),
+                "high_noise_expert": (
+                    choices,
+                    {
+                        "default": _default(choices, "high"),
+                        "tooltip": "High-noise expert from models/diffusion_models: a folder such as "
+                        "lingbot-world-base-cam-nf4/high_noise_model_bnb_nf4, or one .safetensors file. The NF4 "
+                        "folders come from huggingface.co/cahlen/lingbot-world-base-cam-nf4 (download the "
+                        "high_noise_model_bnb_nf4/ and low_noise_model_bnb_nf4/ folders whole into "
+                        "models/diffusion_models/lingbot-world-base-cam-nf4/).",
+                    },
+                ),
+                "low_noise_expert": (
+                    choices,
+                    {
+                        "default": _default(choices, "low"),
+                        "tooltip": "Low-noise expert, same forms as the high-noise one.",
+                    },
+                ),
+                "quantize_to_nf4": (
+                    "BOOLEAN",
+                    {
+                        "default": False,
+                        "tooltip": "Quantize bf16/fp32 experts to NF4 while streaming them in (~3.9x less "
+                        "memory). NF4 checkpoints are used as stored either way.",
+                    },
+                ),
+                "keep_in_ram_gb": (
+                    "FLOAT",
+                    {
+                        "default": 0.0,
+                        "min": 0.0,
+                        "max": 1024.0,
+                        "step": 1.0,
+                        "tooltip": "Host RAM allowed for parking experts between phases and runs "
+                        "(an NF4 expert needs ~10 GB). 0 = drop each expert and stream it from disk again.",
+                    },
+                ),
             },
             "optional": {
-                "ckpt_dir": ("STRING", {
-                    "default": "",
-                    "tooltip": "Optional checkpoint folder holding high_noise_model(_bnb_nf4)/ and "
-                    "low_noise_model(_bnb_nf4)/; when set it replaces the two lists above.",
-                }),
-                "swap_blocks": ("INT", {
-                    "default": 0, "min": 0, "max": 40, "step": 1,
-                    "tooltip": "DiT blocks of the running expert kept in pinned host RAM and streamed to the "
-                    "GPU one block ahead of their turn: less VRAM (each of the 40 blocks of an NF4 expert is "
-                    "~0.24 GB), identical results, a little slower. 0 = the whole expert on the GPU.",
-                }),
+                "ckpt_dir": (
+                    "STRING",
+                    {
+                        "default": "",
+                        "tooltip": "Optional checkpoint folder holding high_noise_model(_bnb_nf4)/ and "
+                        "low_noise_model(_bnb_nf4)/; when set it replaces the two lists above.",
+                    },
+                ),
+                "swap_blocks": (
+                    "INT",
+                    {
+                        "default": 0,
+                        "min": 0,
+                        "max": 40,
+                        "step": 1,
+                        "tooltip": "DiT blocks of the running expert kept in pinned host RAM and streamed to the "
+                        "GPU one block ahead of their turn: less VRAM (each of the 40 blocks of an NF4 expert is "
+                        "~0.24 GB), identical results, a little slower. 0 = the whole expert on the GPU.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     def load(
         self, high_noise_expert, low_noise_expert, quantize_to_nf4, keep_in_ram_gb, ckpt_dir="", swap_blocks=0
@@ -255,32 +283,50 @@ class LingBotLoRA:
         return {
             "required": {
                 "experts": (EXPERTS, {"tooltip": "From LingBot Experts Loader or another LingBot LoRA."}),
-                "lora_name": (folder_paths.get_filename_list("loras"), {
-                    "tooltip": "A Wan2.2 14B (or Wan2.1 14B) LoRA .safetensors from models/loras.",
-                }),
-                "strength": ("FLOAT", {
-                    "default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
-                    "tooltip": "Multiplier of the LoRA's delta (0 = off).",
-                }),
-                "apply_to": (list(LORA_EXPERTS), {
-                    "default": "both",
-                    "tooltip": "Which expert gets it: both, high (high-noise, first steps) or low (low-noise).",
-                }),
-                "allow_unmatched_keys": ("BOOLEAN", {
-                    "default": False,
-                    "tooltip": "Warn about keys that match no layer instead of failing (e.g. Wan2.1 image-attention keys).",
-                }),
+                "lora_name": (
+                    folder_paths.get_filename_list("loras"),
+                    {
+                        "tooltip": "A Wan2.2 14B (or Wan2.1 14B) LoRA .safetensors from models/loras.",
+                    },
+                ),
+                "strength": (
+                    "FLOAT",
+                    {
+                        "default": 1.0,
+                        "min": -10.0,
+                        "max": 10.0,
+                        "step": 0.01,
+                        "tooltip": "Multiplier of the LoRA's delta (0 = off).",
+                    },
+                ),
+                "apply_to": (
+                    list(LORA_EXPERTS),
+                    {
+                        "default": "both",
+                        "tooltip": "Which expert gets it: both, high (high-noise, first steps) or low (low-noise).",
+                    },
+                ),
+                "allow_unmatched_keys": (
+                    "BOOLEAN",
+                    {
+                        "default": False,
+                        "tooltip": "Warn about keys that match no layer instead of failing (e.g. Wan2.1 image-attention keys).",
+                    },
+                ),
             },
             "optional": {
-                "mode": ([SIDE_PATH, MERGE], {
-                    "default": SIDE_PATH,
-                    "tooltip": "side path: a low-rank path beside the weights, for any experts. merge before "
-                    "quantizing: added into the weights as they stream in, before they are quantized (no "
-                    "side path at run time); only for original bf16/fp32 experts with quantize_to_nf4 on "
-                    "in the LingBot Experts Loader.",
-                }),
+                "mode": (
+                    [SIDE_PATH, MERGE],
+                    {
+                        "default": SIDE_PATH,
+                        "tooltip": "side path: a low-rank path beside the weights, for any experts. merge before "
+                        "quantizing: added into the weights as they stream in, before they are quantized (no "
+                        "side path at run time); only for original bf16/fp32 experts with quantize_to_nf4 on "
+                        "in the LingBot Experts Loader.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     def apply(self, experts, lora_name, strength, apply_to, allow_unmatched_keys, mode=SIDE_PATH):
         spec = LoraSpec(resolve_model("loras", lora_name), strength, apply_to)

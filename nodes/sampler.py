@@ -20,13 +20,24 @@ from .vae import VAE, sampler_vae
 DEFAULTS = SampleConfig()
 SIZING = ("max_area", "explicit")
 # RequestError parameters -> this node's widget names.
-WIDGETS = {"sample_steps": "steps", "sample_shift": "shift", "size": "width/height/frame_num",
-           "guide_scale": "guide_scale_low/high", "action_string": "camera", "attention": "speed"}  # fmt: skip
+WIDGETS = {
+    "sample_steps": "steps",
+    "sample_shift": "shift",
+    "size": "width/height/frame_num",
+    "guide_scale": "guide_scale_low/high",
+    "action_string": "camera",
+    "attention": "speed",
+}
 log = logging.getLogger("LingBot-World")
 # Planner settings -> where a ComfyUI user changes them.
-PLAN_NAMES = {"frame_num": "frame_num", "size": "max_area", "swap_blocks": "swap_blocks",
-              "vae_tile": "VAE Decode tiling", "t5_cpu": "text encoder on CPU",
-              "lean_activations": "speed lean_activations"}  # fmt: skip
+PLAN_NAMES = {
+    "frame_num": "frame_num",
+    "size": "max_area",
+    "swap_blocks": "swap_blocks",
+    "vae_tile": "VAE Decode tiling",
+    "t5_cpu": "text encoder on CPU",
+    "lean_activations": "speed lean_activations",
+}
 
 
 def image_to_input(image: torch.Tensor) -> torch.Tensor:
@@ -47,29 +58,50 @@ def image_to_input(image: torch.Tensor) -> torch.Tensor:
 def frame_inputs() -> dict:
     """The first-frame and size widgets both samplers share, in their order on the node."""
     return {
-        "vae": (f"{VAE},VAE", {
-            "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
-        }),
+        "vae": (
+            f"{VAE},VAE",
+            {
+                "tooltip": "Encodes the first frame: LingBot VAE Loader, or core Load VAE with wan_2.1_vae.",
+            },
+        ),
         "image": ("IMAGE", {"tooltip": "First frame of the video; the first image of a batch is used."}),
-        "sizing": (list(SIZING), {
-            "default": "max_area",
-            "tooltip": "max_area: upstream's sizing, the image's aspect within a pixel budget, sides "
-            "multiples of 16 (a 480x832 image at 480*832 gives 464x832, as upstream). explicit: "
-            "width x height below.",
-        }),
-        "max_area": ("STRING", {
-            "default": "480*832",
-            "tooltip": "Pixel budget h*w for max_area sizing, e.g. 480*832 or 720*1280.",
-        }),
-        "width": ("INT", {
-            "default": 832, "min": 16, "max": 4096, "step": 16,
-            "tooltip": "explicit sizing: output width, a multiple of 16.",
-        }),
-        "height": ("INT", {
-            "default": 480, "min": 16, "max": 4096, "step": 16,
-            "tooltip": "explicit sizing: output height, a multiple of 16.",
-        }),
-    }  # fmt: skip
+        "sizing": (
+            list(SIZING),
+            {
+                "default": "max_area",
+                "tooltip": "max_area: upstream's sizing, the image's aspect within a pixel budget, sides "
+                "multiples of 16 (a 480x832 image at 480*832 gives 464x832, as upstream). explicit: "
+                "width x height below.",
+            },
+        ),
+        "max_area": (
+            "STRING",
+            {
+                "default": "480*832",
+                "tooltip": "Pixel budget h*w for max_area sizing, e.g. 480*832 or 720*1280.",
+            },
+        ),
+        "width": (
+            "INT",
+            {
+                "default": 832,
+                "min": 16,
+                "max": 4096,
+                "step": 16,
+                "tooltip": "explicit sizing: output width, a multiple of 16.",
+            },
+        ),
+        "height": (
+            "INT",
+            {
+                "default": 480,
+                "min": 16,
+                "max": 4096,
+                "step": 16,
+                "tooltip": "explicit sizing: output height, a multiple of 16.",
+            },
+        ),
+    }
 
 
 class LingBotSampler:
@@ -89,52 +121,108 @@ class LingBotSampler:
             "required": {
                 "experts": (EXPERTS, {"tooltip": "From LingBot Experts Loader."}),
                 **frame_inputs(),
-                "frame_num": ("INT", {
-                    "default": DEFAULTS.frame_num, "min": 1, "max": 1601, "step": 4,
-                    "tooltip": "Frames to generate, 4n+1 (81 = 5 s at 16 fps). A pose file with fewer "
-                    "poses caps it; an action string sets it (wire the camera node's frame_num).",
-                }),
-                "steps": ("INT", {
-                    "default": DEFAULTS.sample_steps, "min": 1, "max": 1000,
-                    "tooltip": "Sampling steps (upstream: 70).",
-                }),
-                "shift": ("FLOAT", {
-                    "default": DEFAULTS.sample_shift, "min": 0.0, "max": 100.0, "step": 0.1,
-                    "tooltip": "Flow-matching timestep shift (upstream: 10).",
-                }),
-                "boundary": ("FLOAT", {
-                    "default": DEFAULTS.boundary, "min": 0.0, "max": 1.0, "step": 0.001,
-                    "tooltip": "Timesteps t >= boundary*1000 use the high-noise expert (upstream: 0.947).",
-                }),
-                "guide_scale_low": ("FLOAT", {
-                    "default": DEFAULTS.guide_scale[0], "min": 0.0, "max": 50.0, "step": 0.1,
-                    "tooltip": "CFG scale of the low-noise expert's steps (upstream: 5).",
-                }),
-                "guide_scale_high": ("FLOAT", {
-                    "default": DEFAULTS.guide_scale[1], "min": 0.0, "max": 50.0, "step": 0.1,
-                    "tooltip": "CFG scale of the high-noise expert's steps (upstream: 5).",
-                }),
-                "seed": ("INT", {
-                    "default": DEFAULTS.seed, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
-                    "tooltip": "Noise seed. Noise is drawn on the sampling device, so GPU and CPU differ.",
-                }),
-                "solver": (list(SCHEDULERS), {
-                    "default": DEFAULTS.solver,
-                    "tooltip": "unipc: upstream's multistep solver. euler: plain flow-matching Euler.",
-                }),
+                "frame_num": (
+                    "INT",
+                    {
+                        "default": DEFAULTS.frame_num,
+                        "min": 1,
+                        "max": 1601,
+                        "step": 4,
+                        "tooltip": "Frames to generate, 4n+1 (81 = 5 s at 16 fps). A pose file with fewer "
+                        "poses caps it; an action string sets it (wire the camera node's frame_num).",
+                    },
+                ),
+                "steps": (
+                    "INT",
+                    {
+                        "default": DEFAULTS.sample_steps,
+                        "min": 1,
+                        "max": 1000,
+                        "tooltip": "Sampling steps (upstream: 70).",
+                    },
+                ),
+                "shift": (
+                    "FLOAT",
+                    {
+                        "default": DEFAULTS.sample_shift,
+                        "min": 0.0,
+                        "max": 100.0,
+                        "step": 0.1,
+                        "tooltip": "Flow-matching timestep shift (upstream: 10).",
+                    },
+                ),
+                "boundary": (
+                    "FLOAT",
+                    {
+                        "default": DEFAULTS.boundary,
+                        "min": 0.0,
+                        "max": 1.0,
+                        "step": 0.001,
+                        "tooltip": "Timesteps t >= boundary*1000 use the high-noise expert (upstream: 0.947).",
+                    },
+                ),
+                "guide_scale_low": (
+                    "FLOAT",
+                    {
+                        "default": DEFAULTS.guide_scale[0],
+                        "min": 0.0,
+                        "max": 50.0,
+                        "step": 0.1,
+                        "tooltip": "CFG scale of the low-noise expert's steps (upstream: 5).",
+                    },
+                ),
+                "guide_scale_high": (
+                    "FLOAT",
+                    {
+                        "default": DEFAULTS.guide_scale[1],
+                        "min": 0.0,
+                        "max": 50.0,
+                        "step": 0.1,
+                        "tooltip": "CFG scale of the high-noise expert's steps (upstream: 5).",
+                    },
+                ),
+                "seed": (
+                    "INT",
+                    {
+                        "default": DEFAULTS.seed,
+                        "min": 0,
+                        "max": 0xFFFFFFFFFFFFFFFF,
+                        "control_after_generate": True,
+                        "tooltip": "Noise seed. Noise is drawn on the sampling device, so GPU and CPU differ.",
+                    },
+                ),
+                "solver": (
+                    list(SCHEDULERS),
+                    {
+                        "default": DEFAULTS.solver,
+                        "tooltip": "unipc: upstream's multistep solver. euler: plain flow-matching Euler.",
+                    },
+                ),
             },
             "optional": {
-                "camera": (CAMERA, {"tooltip": "From LingBot Camera. Without it the experts run with no camera input."}),
+                "camera": (
+                    CAMERA,
+                    {"tooltip": "From LingBot Camera. Without it the experts run with no camera input."},
+                ),
                 "text": (TEXT, {"tooltip": "From LingBot Text Encode (or use positive + negative instead)."}),
-                "positive": ("CONDITIONING", {
-                    "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP (Load CLIP, type wan).",
-                }),
-                "negative": ("CONDITIONING", {
-                    "tooltip": "With positive: CLIP Text Encode of the negative prompt (upstream's default is in the README).",
-                }),
-                "speed": (SPEED, {"tooltip": "From LingBot Speed. Without it: upstream's exact computation."}),
+                "positive": (
+                    "CONDITIONING",
+                    {
+                        "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP (Load CLIP, type wan).",
+                    },
+                ),
+                "negative": (
+                    "CONDITIONING",
+                    {
+                        "tooltip": "With positive: CLIP Text Encode of the negative prompt (upstream's default is in the README).",
+                    },
+                ),
+                "speed": (
+                    SPEED,
+                    {"tooltip": "From LingBot Speed. Without it: upstream's exact computation."},
+                ),
             },
-        }  # fmt: skip
+        }
 
     @classmethod
     def VALIDATE_INPUTS(cls, max_area=None, frame_num=None):
@@ -148,15 +236,39 @@ class LingBotSampler:
             return i2v.frame_num_issue(frame_num) or True
         return True
 
-    def sample(self, experts, vae, image, sizing, max_area, width, height, frame_num, steps, shift,
-               boundary, guide_scale_low, guide_scale_high, seed, solver, camera=None, text=None,
-               positive=None, negative=None, speed=None):  # fmt: skip
+    def sample(
+        self,
+        experts,
+        vae,
+        image,
+        sizing,
+        max_area,
+        width,
+        height,
+        frame_num,
+        steps,
+        shift,
+        boundary,
+        guide_scale_low,
+        guide_scale_high,
+        seed,
+        solver,
+        camera=None,
+        text=None,
+        positive=None,
+        negative=None,
+        speed=None,
+    ):
         text, vae = sampler_text(text, positive, negative), sampler_vae(vae)
         img = image_to_input(image)
         settings = SampleConfig(
-            sample_shift=shift, sample_steps=steps, boundary=boundary,
-            guide_scale=(guide_scale_low, guide_scale_high), solver=solver, seed=seed,
-        )  # fmt: skip
+            sample_shift=shift,
+            sample_steps=steps,
+            boundary=boundary,
+            guide_scale=(guide_scale_low, guide_scale_high),
+            solver=solver,
+            seed=seed,
+        )
         sizing = (
             {"max_area": i2v.parse_max_area(max_area)}
             if sizing == "max_area"
@@ -165,16 +277,30 @@ class LingBotSampler:
         device = memory.torch_device()
         check = memplan.MemoryCheck(
             memplan.MemoryRequest(
-                dict(experts.nbytes), memplan.lora_bytes(experts.loras),
-                swap_blocks=getattr(experts, "swap_blocks", 0), t5_device="cpu", t5_bytes=0,
-            ), device.type, memory.device_budget(device), names=PLAN_NAMES,
-        )  # fmt: skip
+                dict(experts.nbytes),
+                memplan.lora_bytes(experts.loras),
+                swap_blocks=getattr(experts, "swap_blocks", 0),
+                t5_device="cpu",
+                t5_bytes=0,
+            ),
+            device.type,
+            memory.device_budget(device),
+            names=PLAN_NAMES,
+        )
         try:
             plan = plan_request(
-                img.shape[1:], experts.config, settings, camera=camera, frame_num=frame_num, loras=experts.loras,
-                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys, speed=speed, memory=check, **sizing,
+                img.shape[1:],
+                experts.config,
+                settings,
+                camera=camera,
+                frame_num=frame_num,
+                loras=experts.loras,
+                allow_unmatched_lora_keys=experts.allow_unmatched_lora_keys,
+                speed=speed,
+                memory=check,
+                **sizing,
                 swap_blocks=experts.swap_blocks,
-            )  # fmt: skip
+            )
             inputs = plan.inputs(img, text.context, text.context_null, device)
         except RequestError as e:
             raise ValueError(f"{WIDGETS.get(e.param, e.param)}: {e.detail}") from None
@@ -185,9 +311,13 @@ class LingBotSampler:
         stats = SpeedStats()
         try:
             latent = pipeline.sample(
-                vae=vae, experts=experts.provider(device, work, plan.loras), release_experts=experts.release, hooks=hooks, stats=stats,
+                vae=vae,
+                experts=experts.provider(device, work, plan.loras),
+                release_experts=experts.release,
+                hooks=hooks,
+                stats=stats,
                 **inputs,
-            )  # fmt: skip
+            )
         except torch.OutOfMemoryError:
             experts.close()
             error = memplan.oom_error(hooks.current, plan.memory, PLAN_NAMES)
@@ -205,7 +335,11 @@ class LingBotSampler:
             raise RuntimeError(f"LingBot-World: {error.detail}")
         log.info(
             "LingBot-World sampling, %d frames at %dx%d:\n%s\n%s",
-            frame_num, size[3], size[2], phases.table(), stats.summary(),
-        )  # fmt: skip
+            frame_num,
+            size[3],
+            size[2],
+            phases.table(),
+            stats.summary(),
+        )
         samples = vae.to_comfy_latent(latent.cpu()).to(memory.intermediate_device())
         return ({"samples": samples},)

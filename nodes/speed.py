@@ -31,53 +31,93 @@ class LingBotSpeed:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "attention": (["sdpa", "sage", COMFY], {
-                    "default": DEFAULTS.attention,
-                    "tooltip": "sdpa: PyTorch's kernels. sage: SageAttention (needs the sageattention package). "
-                    "comfy: ComfyUI's optimized attention, as set by --use-sage-attention / --use-flash-attention.",
-                }),
-                "compile": ("BOOLEAN", {
-                    "default": DEFAULTS.compile,
-                    "tooltip": "torch.compile the transformer blocks (one graph for all 40; the first step is slower "
-                    "while it compiles). Falls back to eager with one log line if Triton or a compiler is missing.",
-                }),
-                "step_cache": (["none", "easycache"], {
-                    "default": "none",
-                    "tooltip": "EasyCache: reuse the transformer's output on steps where it changes little (per "
-                    "expert, reset at the switch). Faster, at some cost in quality.",
-                }),
-                "cache_threshold": ("FLOAT", {
-                    "default": DEFAULTS.cache_threshold, "min": 0.0, "max": 10.0, "step": 0.005,
-                    "tooltip": "EasyCache threshold: higher skips more steps. 0 never skips.",
-                }),
-                "cache_keep_first": ("INT", {
-                    "default": DEFAULTS.cache_keep_first, "min": 0, "max": 1000,
-                    "tooltip": "Steps always computed at the start of each expert's stretch.",
-                }),
-                "cache_keep_last": ("INT", {
-                    "default": DEFAULTS.cache_keep_last, "min": 0, "max": 1000,
-                    "tooltip": "Steps always computed at the end of each expert's stretch.",
-                }),
+                "attention": (
+                    ["sdpa", "sage", COMFY],
+                    {
+                        "default": DEFAULTS.attention,
+                        "tooltip": "sdpa: PyTorch's kernels. sage: SageAttention (needs the sageattention package). "
+                        "comfy: ComfyUI's optimized attention, as set by --use-sage-attention / --use-flash-attention.",
+                    },
+                ),
+                "compile": (
+                    "BOOLEAN",
+                    {
+                        "default": DEFAULTS.compile,
+                        "tooltip": "torch.compile the transformer blocks (one graph for all 40; the first step is slower "
+                        "while it compiles). Falls back to eager with one log line if Triton or a compiler is missing.",
+                    },
+                ),
+                "step_cache": (
+                    ["none", "easycache"],
+                    {
+                        "default": "none",
+                        "tooltip": "EasyCache: reuse the transformer's output on steps where it changes little (per "
+                        "expert, reset at the switch). Faster, at some cost in quality.",
+                    },
+                ),
+                "cache_threshold": (
+                    "FLOAT",
+                    {
+                        "default": DEFAULTS.cache_threshold,
+                        "min": 0.0,
+                        "max": 10.0,
+                        "step": 0.005,
+                        "tooltip": "EasyCache threshold: higher skips more steps. 0 never skips.",
+                    },
+                ),
+                "cache_keep_first": (
+                    "INT",
+                    {
+                        "default": DEFAULTS.cache_keep_first,
+                        "min": 0,
+                        "max": 1000,
+                        "tooltip": "Steps always computed at the start of each expert's stretch.",
+                    },
+                ),
+                "cache_keep_last": (
+                    "INT",
+                    {
+                        "default": DEFAULTS.cache_keep_last,
+                        "min": 0,
+                        "max": 1000,
+                        "tooltip": "Steps always computed at the end of each expert's stretch.",
+                    },
+                ),
             },
             # optional, so saved workflows and API prompts from before it keep loading (default auto)
             "optional": {
-                "lean_activations": (["auto", "on", "off"], {
-                    "default": DEFAULTS.lean_activations,
-                    "tooltip": "Run each transformer block in token chunks so only the full-length tensors stay in "
-                    "VRAM (about 14 instead of 35 vectors per token; equal up to GEMM rounding). auto: on only when "
-                    "the memory plan says the run would not fit otherwise, before any block swap. Not with compile.",
-                }),
+                "lean_activations": (
+                    ["auto", "on", "off"],
+                    {
+                        "default": DEFAULTS.lean_activations,
+                        "tooltip": "Run each transformer block in token chunks so only the full-length tensors stay in "
+                        "VRAM (about 14 instead of 35 vectors per token; equal up to GEMM rounding). auto: on only when "
+                        "the memory plan says the run would not fit otherwise, before any block swap. Not with compile.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
-    def options(self, attention, compile, step_cache, cache_threshold, cache_keep_first, cache_keep_last,
-                lean_activations="auto"):  # fmt: skip
+    def options(
+        self,
+        attention,
+        compile,
+        step_cache,
+        cache_threshold,
+        cache_keep_first,
+        cache_keep_last,
+        lean_activations="auto",
+    ):
         if lean_activations not in LEAN:
             raise ValueError(f"lean_activations: expected one of {list(LEAN)}, got {lean_activations!r}")
         return (
             SpeedOptions(
-                attention=attention, compile=compile, cache=None if step_cache == "none" else step_cache,
-                cache_threshold=cache_threshold, cache_keep_first=cache_keep_first, cache_keep_last=cache_keep_last,
+                attention=attention,
+                compile=compile,
+                cache=None if step_cache == "none" else step_cache,
+                cache_threshold=cache_threshold,
+                cache_keep_first=cache_keep_first,
+                cache_keep_last=cache_keep_last,
                 lean_activations=LEAN[lean_activations],
             ),
-        )  # fmt: skip
+        )

@@ -58,34 +58,50 @@ class LingBotTextEncode:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "text_encoder": (folder_paths.get_filename_list("text_encoders"), {
-                    "tooltip": "umT5-XXL from models/text_encoders: models_t5_umt5-xxl-enc-bf16.pth (needs a "
-                    "tokenizer/ folder beside it or the tokenizer input) or umt5_xxl_fp16/fp8_scaled.safetensors "
-                    "(tokenizer embedded).",
-                }),
+                "text_encoder": (
+                    folder_paths.get_filename_list("text_encoders"),
+                    {
+                        "tooltip": "umT5-XXL from models/text_encoders: models_t5_umt5-xxl-enc-bf16.pth (needs a "
+                        "tokenizer/ folder beside it or the tokenizer input) or umt5_xxl_fp16/fp8_scaled.safetensors "
+                        "(tokenizer embedded).",
+                    },
+                ),
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What the video shows."}),
-                "negative_prompt": ("STRING", {
-                    "multiline": True, "default": "",
-                    "tooltip": "Empty = upstream LingBot-World's default negative prompt.",
-                }),
-                "mode": (list(MODES), {
-                    "default": "subprocess",
-                    "tooltip": "subprocess: encode in a child process that exits afterwards (no memory "
-                    "left behind). inprocess: encode here and free the model afterwards.",
-                }),
-                "device": (list(DEVICES), {
-                    "default": "auto",
-                    "tooltip": "Where the encoder runs. auto = ComfyUI's text-encoder device.",
-                }),
+                "negative_prompt": (
+                    "STRING",
+                    {
+                        "multiline": True,
+                        "default": "",
+                        "tooltip": "Empty = upstream LingBot-World's default negative prompt.",
+                    },
+                ),
+                "mode": (
+                    list(MODES),
+                    {
+                        "default": "subprocess",
+                        "tooltip": "subprocess: encode in a child process that exits afterwards (no memory "
+                        "left behind). inprocess: encode here and free the model afterwards.",
+                    },
+                ),
+                "device": (
+                    list(DEVICES),
+                    {
+                        "default": "auto",
+                        "tooltip": "Where the encoder runs. auto = ComfyUI's text-encoder device.",
+                    },
+                ),
             },
             "optional": {
-                "tokenizer": ("STRING", {
-                    "default": "",
-                    "tooltip": "Optional tokenizer folder (tokenizer.json or spiece.model) or file. Empty = "
-                    "the encoder's embedded tokenizer, or tokenizer/ or google/umt5-xxl/ beside it.",
-                }),
+                "tokenizer": (
+                    "STRING",
+                    {
+                        "default": "",
+                        "tooltip": "Optional tokenizer folder (tokenizer.json or spiece.model) or file. Empty = "
+                        "the encoder's embedded tokenizer, or tokenizer/ or google/umt5-xxl/ beside it.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     def encode(self, text_encoder, prompt, negative_prompt, mode, device, tokenizer=""):
         path = resolve_model("text_encoders", text_encoder)

@@ -85,15 +85,21 @@ class LingBotVAELoader:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "vae_name": (folder_paths.get_filename_list("vae"), {
-                    "tooltip": "Wan2.1 VAE from models/vae (z_dim 16; the Wan2.2 5B VAE does not fit).",
-                }),
-                "dtype": (list(DTYPES), {
-                    "default": "fp32",
-                    "tooltip": "fp32 as upstream; bf16 halves its memory at a small cost in accuracy.",
-                }),
+                "vae_name": (
+                    folder_paths.get_filename_list("vae"),
+                    {
+                        "tooltip": "Wan2.1 VAE from models/vae (z_dim 16; the Wan2.2 5B VAE does not fit).",
+                    },
+                ),
+                "dtype": (
+                    list(DTYPES),
+                    {
+                        "default": "fp32",
+                        "tooltip": "fp32 as upstream; bf16 halves its memory at a small cost in accuracy.",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     def load(self, vae_name, dtype):
         model = load_vae(resolve_model("vae", vae_name), device="cpu", dtype=DTYPES[dtype])
@@ -113,22 +119,40 @@ class LingBotVAEDecode:
         return {
             "required": {
                 "vae": (VAE, {"tooltip": "From LingBot VAE Loader."}),
-                "samples": ("LATENT", {"tooltip": "Video latent [B, 16, T, h, w]; batches are decoded in turn."}),
-                "tiling": (["auto", "none", "custom"], {
-                    "default": "auto",
-                    "tooltip": "auto: tiles sized from free VRAM (whole frames on CPU). none: whole frames. "
-                    "custom: the tile size below.",
-                }),
-                "tile_height": ("INT", {
-                    "default": 64, "min": 24, "max": 1024, "step": 8,
-                    "tooltip": "custom tile height in latent pixels (x8 output pixels); tiles overlap by 16.",
-                }),
-                "tile_width": ("INT", {
-                    "default": 64, "min": 24, "max": 1024, "step": 8,
-                    "tooltip": "custom tile width in latent pixels (x8 output pixels).",
-                }),
+                "samples": (
+                    "LATENT",
+                    {"tooltip": "Video latent [B, 16, T, h, w]; batches are decoded in turn."},
+                ),
+                "tiling": (
+                    ["auto", "none", "custom"],
+                    {
+                        "default": "auto",
+                        "tooltip": "auto: tiles sized from free VRAM (whole frames on CPU). none: whole frames. "
+                        "custom: the tile size below.",
+                    },
+                ),
+                "tile_height": (
+                    "INT",
+                    {
+                        "default": 64,
+                        "min": 24,
+                        "max": 1024,
+                        "step": 8,
+                        "tooltip": "custom tile height in latent pixels (x8 output pixels); tiles overlap by 16.",
+                    },
+                ),
+                "tile_width": (
+                    "INT",
+                    {
+                        "default": 64,
+                        "min": 24,
+                        "max": 1024,
+                        "step": 8,
+                        "tooltip": "custom tile width in latent pixels (x8 output pixels).",
+                    },
+                ),
             },
-        }  # fmt: skip
+        }
 
     def decode(self, vae, samples, tiling, tile_height, tile_width):
         latents = samples["samples"]

@@ -95,12 +95,29 @@ class Server:
         env = {**os.environ, "LINGBOT_WORLD_CACHE": str(root / "cache"), "PYTHONUNBUFFERED": "1"}
         device = [] if os.environ.get("COMFYUI_TEST_GPU") == "1" else ["--cpu"]
         cmd = [
-            python, "main.py", *device, "--listen", "127.0.0.1", "--port", str(self.port),
-            "--extra-model-paths-config", str(extra_paths_yaml),
-            "--input-directory", str(self.input_dir), "--output-directory", str(self.output_dir),
-            "--temp-directory", str(root / "temp"), "--user-directory", str(root / "user"),
-            "--database-url", "sqlite:///:memory:", "--preview-method", "latent2rgb", "--disable-auto-launch",
-        ]  # fmt: skip
+            python,
+            "main.py",
+            *device,
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--extra-model-paths-config",
+            str(extra_paths_yaml),
+            "--input-directory",
+            str(self.input_dir),
+            "--output-directory",
+            str(self.output_dir),
+            "--temp-directory",
+            str(root / "temp"),
+            "--user-directory",
+            str(root / "user"),
+            "--database-url",
+            "sqlite:///:memory:",
+            "--preview-method",
+            "latent2rgb",
+            "--disable-auto-launch",
+        ]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=comfy_dir, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 

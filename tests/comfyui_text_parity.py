@@ -41,8 +41,9 @@ def main(pack_root: str, encoder: str, prompts: list) -> dict:
     shapes = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shapes)
     config = shapes.umt5_config(sd)
-    model = comfy.text_encoders.wan.te()(device="cpu", dtype=torch.float32,
-                                         model_options={"umt5xxl_model_config": config})  # fmt: skip
+    model = comfy.text_encoders.wan.te()(
+        device="cpu", dtype=torch.float32, model_options={"umt5xxl_model_config": config}
+    )
     missing, _ = model.load_sd(sd)
     assert not missing, missing
     tokenizer = comfy.text_encoders.wan.WanT5Tokenizer(tokenizer_data={"spiece_model": sd["spiece_model"]})
@@ -53,8 +54,13 @@ def main(pack_root: str, encoder: str, prompts: list) -> dict:
             cond, pooled = model.encode_token_weights(tokenizer.tokenize_with_weights(prompt))[:2]
         cond = [[cond, {"pooled_output": pooled}]]
         theirs = conditioning_to_context(cond, "positive")
-        row = {"prompt": prompt, "comfy_padded": list(cond[0][0].shape), "comfy": list(theirs.shape),
-               "ours": list(mine.shape), "dtype": str(theirs.dtype)}  # fmt: skip
+        row = {
+            "prompt": prompt,
+            "comfy_padded": list(cond[0][0].shape),
+            "comfy": list(theirs.shape),
+            "ours": list(mine.shape),
+            "dtype": str(theirs.dtype),
+        }
         if theirs.shape == mine.shape:
             diff = (theirs.float() - mine.float()).abs()
             row["max_abs_diff"] = float(diff.max())

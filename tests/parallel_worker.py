@@ -76,8 +76,9 @@ def failing_rank(rank, world, port, out_dir):
         return tiny_model()
 
     try:
-        pipeline.denoise(experts, x, y, context, context, cam, SampleConfig(sample_steps=2),
-                         parallel=SequenceParallel())  # fmt: skip
+        pipeline.denoise(
+            experts, x, y, context, context, cam, SampleConfig(sample_steps=2), parallel=SequenceParallel()
+        )
     except Exception as err:  # noqa: BLE001 - the message is what the test checks
         (Path(out_dir) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}")
         raise
@@ -136,8 +137,10 @@ def swap_rank(rank, world, port, out_dir, nf4_dir, lora):
         swapper = BlockSwapper(model, 3)
         model.sequence_parallel = SequenceParallel()
         out = swap_forward(model)
-        torch.save({"out": out, "live": len(swapper._live), "host": swapper.host_bytes},
-                   Path(out_dir) / f"rank{rank}.pt")  # fmt: skip
+        torch.save(
+            {"out": out, "live": len(swapper._live), "host": swapper.host_bytes},
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -154,8 +157,9 @@ def cached_denoise(experts, parallel=None, threshold=1.0):
     stats = SpeedStats()
     settings = SampleConfig(sample_steps=12, guide_scale=(3.0, 4.0))
     with torch.no_grad():
-        latent = pipeline.denoise(experts, x, y, context, 0.5 * context, cam, settings, speed=speed,
-                                  stats=stats, parallel=parallel)  # fmt: skip
+        latent = pipeline.denoise(
+            experts, x, y, context, 0.5 * context, cam, settings, speed=speed, stats=stats, parallel=parallel
+        )
     return latent, stats.as_dict()
 
 

@@ -22,10 +22,21 @@ pytestmark = pytest.mark.slow  # four CPU runs of whole scripts; CI runs them wi
 def run_tiny(script: str, tmp_path: Path, *extra: str) -> dict:
     env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--scale", "tiny", "--workdir", str(tmp_path / "w"),
-         *extra],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / script),
+            "--scale",
+            "tiny",
+            "--workdir",
+            str(tmp_path / "w"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -81,9 +92,15 @@ def test_bench_pipeline(tmp_path):
     assert s["rc"] == 0 and s["device"] == "cpu"
     phases = s["phases"]
     assert [p["phase"] for p in phases] == [
-        "text_encode", "camera", "load_vae", "vae_encode", "denoise_high", "denoise_low", "vae_decode",
+        "text_encode",
+        "camera",
+        "load_vae",
+        "vae_encode",
+        "denoise_high",
+        "denoise_low",
+        "vae_decode",
         "write_mp4",
-    ]  # fmt: skip
+    ]
     for p in phases:
         assert p["seconds"] > 0, p
         assert p["peak_rss_anon_gib"] > 0 and 0 <= p["rss_anon_growth_gib"] <= p["peak_rss_anon_gib"], p
@@ -137,10 +154,24 @@ def test_bench_parallel(tmp_path):
     assert one["world_size"] == 1 and one["tiny"]["tokens"] > 0 and one["tiny"]["step_s"] > 0
     env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         str(ROOT / "benchmarks" / "bench_parallel.py"), "--scale", "tiny", "--workdir", str(tmp_path / "w")],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "benchmarks" / "bench_parallel.py"),
+            "--scale",
+            "tiny",
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     two = json.loads(out.stdout.strip().splitlines()[-1])
     assert two["world_size"] == 2
@@ -176,9 +207,17 @@ def test_bench_planner(tmp_path):
     s = run_tiny("bench_planner.py", tmp_path)
     cases = {c["case"]: c for c in s["cases"]}
     assert list(cases) == [
-        "480p_81_guide1", "480p_81", "480p_81_swap_half", "encode_480p_81", "480p_161", "encode_720p_81",
-        "decode_480p_81", "720p_81", "720p_81_swap_all", "720p_161_swap_all",
-    ]  # fmt: skip
+        "480p_81_guide1",
+        "480p_81",
+        "480p_81_swap_half",
+        "encode_480p_81",
+        "480p_161",
+        "encode_720p_81",
+        "decode_480p_81",
+        "720p_81",
+        "720p_81_swap_all",
+        "720p_161_swap_all",
+    ]
     denoise = [c for c in s["cases"] if c["phase"] == "denoise"]
     assert len(denoise) >= 6 and all(c["finite"] and c["seconds"] > 0 for c in s["cases"])
     assert all(c["predicted_bytes"] > 0 for c in s["cases"])

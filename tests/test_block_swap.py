@@ -74,8 +74,11 @@ def test_swap_is_bit_identical(nf4_dir, n):
     for i in swapper.indices:  # every tensor of a swapped block (4-bit data, quant state, norms) lives in it
         ptr = swapper._host[i].data_ptr()
         tensors = [*model.blocks[i].parameters(), *model.blocks[i].buffers()]
-        tensors += [m.weight.quant_state.absmax for m in model.blocks[i].modules()
-                    if getattr(getattr(m, "weight", None), "quant_state", None) is not None]  # fmt: skip
+        tensors += [
+            m.weight.quant_state.absmax
+            for m in model.blocks[i].modules()
+            if getattr(getattr(m, "weight", None), "quant_state", None) is not None
+        ]
         assert len(tensors) > 10
         assert all(t.untyped_storage().data_ptr() == ptr for t in tensors)
     got = run(model)

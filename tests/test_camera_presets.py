@@ -183,8 +183,17 @@ def test_preview_draws_the_path(shipped_example):
 
 def test_camera_cli_saves_and_previews(tmp_path, shipped_example, capsys):
     out, png = tmp_path / "cam", tmp_path / "p.png"
-    argv = ["camera", "--preset", "orbit left 30 around 2 + dolly in 0.5 16f ease", "--save", str(out),
-            "--preview", str(png), "--size", "720*1280"]  # fmt: skip
+    argv = [
+        "camera",
+        "--preset",
+        "orbit left 30 around 2 + dolly in 0.5 16f ease",
+        "--save",
+        str(out),
+        "--preview",
+        str(png),
+        "--size",
+        "720*1280",
+    ]
     assert cli.main(argv) == 0
     assert "17 poses" in capsys.readouterr().out
     assert np.load(out / "poses.npy").shape == (17, 4, 4)
@@ -201,8 +210,19 @@ def test_camera_cli_saves_and_previews(tmp_path, shipped_example, capsys):
 
 
 def test_generate_refuses_a_preset_with_a_pose_folder(tmp_path, shipped_example, capsys):
-    argv = ["generate", "--ckpt_dir", str(tmp_path), "--image", str(shipped_example / "image.jpg"),
-            "--prompt", "x", "--camera_preset", "pan left 10", "--action_path", str(shipped_example)]  # fmt: skip
+    argv = [
+        "generate",
+        "--ckpt_dir",
+        str(tmp_path),
+        "--image",
+        str(shipped_example / "image.jpg"),
+        "--prompt",
+        "x",
+        "--camera_preset",
+        "pan left 10",
+        "--action_path",
+        str(shipped_example),
+    ]
 
     class Args:
         camera_preset, action_path, action_string, allow_act2cam = "pan left 10", shipped_example, None, False

@@ -57,8 +57,12 @@ CKPT_CASES = {
     "garbage config.json": ("high_noise_model_bnb_nf4/config.json", b"{not json", "config.json"),
     "pickled VAE that runs code": ("Wan2.1_VAE.pth", pickle.dumps(RunsCode()), "Wan2.1_VAE.pth"),
     "text encoder given as VAE": ("Wan2.1_VAE.pth", "t5_as_vae", "Wan2.1_VAE.pth"),
-    "VAE given as text encoder": ("models_t5_umt5-xxl-enc-bf16.pth", "vae_as_t5", "models_t5_umt5-xxl-enc-bf16.pth"),
-}  # fmt: skip
+    "VAE given as text encoder": (
+        "models_t5_umt5-xxl-enc-bf16.pth",
+        "vae_as_t5",
+        "models_t5_umt5-xxl-enc-bf16.pth",
+    ),
+}
 
 
 def damage(root: Path, how, rel: str) -> None:
@@ -88,10 +92,27 @@ def damage(root: Path, how, rel: str) -> None:
 
 def args_for(ckpt, action_path, out, *extra):
     return [
-        "generate", "--ckpt_dir", str(ckpt), "--image", str(ROOT / "examples" / "00" / "image.jpg"),
-        "--prompt", "a castle", "--action_path", str(action_path), "--size", "64*112", "--frame_num", "9",
-        "--sampling_steps", "2", "--device", "cpu", "--output", str(out), *extra,
-    ]  # fmt: skip
+        "generate",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(ROOT / "examples" / "00" / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--action_path",
+        str(action_path),
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--sampling_steps",
+        "2",
+        "--device",
+        "cpu",
+        "--output",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture

@@ -262,8 +262,9 @@ def test_lora_node_mode_defaults_to_side_path_and_refuses_merging_into_nf4(serve
     loras = [n["inputs"] for n in prompt.values() if n["class_type"] == "LingBotLoRA"]
     assert loras and all("mode" not in n for n in loras)
     assert server.object_info["LingBotLoRA"]["input"]["optional"]["mode"][0] == [
-        "side path", "merge before quantizing",
-    ]  # fmt: skip
+        "side path",
+        "merge before quantizing",
+    ]
     loras[0]["mode"] = "merge before quantizing"
     next(n for n in prompt.values() if n["class_type"] == "LingBotExpertsLoader")["inputs"][
         "quantize_to_nf4"
@@ -312,15 +313,24 @@ def test_speed_node_with_comfy_attention_and_step_cache(server):
     sampler_id = next(k for k, n in prompt.items() if n["class_type"] == "LingBotSampler")
     prompt["90"] = {
         "class_type": "LingBotSpeed",
-        "inputs": {"attention": "comfy", "compile": False, "step_cache": "easycache", "cache_threshold": 5.0,
-                   "cache_keep_first": 2, "cache_keep_last": 0},
-    }  # fmt: skip
+        "inputs": {
+            "attention": "comfy",
+            "compile": False,
+            "step_cache": "easycache",
+            "cache_threshold": 5.0,
+            "cache_keep_first": 2,
+            "cache_keep_last": 0,
+        },
+    }
     prompt[sampler_id]["inputs"]["speed"] = ["90", 0]
     entry = server.wait_history(server.queue_prompt(prompt), timeout=150)
     assert len(saved_video(server, entry)) == 9
     log = server.log(400)
-    skipped = [int(line.split(" skipped by the step cache")[0].rsplit(", ", 1)[-1]) for line in log.splitlines()
-               if "skipped by the step cache" in line]  # fmt: skip
+    skipped = [
+        int(line.split(" skipped by the step cache")[0].rsplit(", ", 1)[-1])
+        for line in log.splitlines()
+        if "skipped by the step cache" in line
+    ]
     assert skipped and skipped[-1] > 0, log
 
 
@@ -390,14 +400,32 @@ def test_native_text_encoder_and_vae_run_end_to_end(server):
     prompt = native_prompt(server)
     sampler = next(k for k, n in prompt.items() if n["class_type"] == "LingBotSampler")
     vae_file = full_size_vae(server.root).name
-    prompt.update({
-        "900": {"class_type": "LingBotVAELoader", "inputs": {"vae_name": vae_file, "dtype": "fp32"}},
-        "901": {"class_type": "LingBotVAEDecode",
-                "inputs": {"vae": ["900", 0], "samples": [sampler, 0], "tiling": "none", "tile_height": 64, "tile_width": 64}},
-        "902": {"class_type": "SaveImage", "inputs": {"images": ["901", 0], "filename_prefix": "lingbot_test/ours"}},
-        "903": {"class_type": "SaveImage", "inputs": {"images": [next(k for k, n in prompt.items() if n["class_type"] == "VAEDecode"), 0],
-                                                     "filename_prefix": "lingbot_test/core"}},
-    })  # fmt: skip
+    prompt.update(
+        {
+            "900": {"class_type": "LingBotVAELoader", "inputs": {"vae_name": vae_file, "dtype": "fp32"}},
+            "901": {
+                "class_type": "LingBotVAEDecode",
+                "inputs": {
+                    "vae": ["900", 0],
+                    "samples": [sampler, 0],
+                    "tiling": "none",
+                    "tile_height": 64,
+                    "tile_width": 64,
+                },
+            },
+            "902": {
+                "class_type": "SaveImage",
+                "inputs": {"images": ["901", 0], "filename_prefix": "lingbot_test/ours"},
+            },
+            "903": {
+                "class_type": "SaveImage",
+                "inputs": {
+                    "images": [next(k for k, n in prompt.items() if n["class_type"] == "VAEDecode"), 0],
+                    "filename_prefix": "lingbot_test/core",
+                },
+            },
+        }
+    )
     entry = server.wait_history(server.queue_prompt(prompt), timeout=300)
     frames = saved_video(server, entry)
     assert len(frames) == 9 and frames[0].shape == (48, 112, 3)
@@ -429,11 +457,19 @@ def test_clip_text_encode_embeddings_match_ours(tmp_path):
     )
     prompts = ["a castle in the clouds", (ROOT / "examples" / "00" / "prompt.txt").read_text().strip()]
     run = subprocess.run(
-        [os.environ.get("COMFYUI_PYTHON", sys.executable), str(ROOT / "tests" / "comfyui_text_parity.py"), str(ROOT),
-         str(encoder), *prompts],
-        cwd=COMFYUI_DIR, capture_output=True, text=True, timeout=300,
+        [
+            os.environ.get("COMFYUI_PYTHON", sys.executable),
+            str(ROOT / "tests" / "comfyui_text_parity.py"),
+            str(ROOT),
+            str(encoder),
+            *prompts,
+        ],
+        cwd=COMFYUI_DIR,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "LINGBOT_WORLD_CACHE": str(tmp_path / "cache")},
-    )  # fmt: skip
+    )
     line = next((x for x in run.stdout.splitlines() if x.startswith("PARITY ")), None)
     assert line, run.stdout[-2000:] + run.stderr[-4000:]
     for row in json.loads(line.removeprefix("PARITY "))["results"]:

@@ -67,9 +67,11 @@ def test_matches_upstream_chunk_loop(run):
     (spec,) = [r for r in meta["runs"] if r["key"] == run]
     lat = (spec["lat_f"], spec["lat_h"], spec["lat_w"])
     config = FastConfig(
-        shift=meta["shift"], seed=meta["seed"], local_attn_size=spec["local_attn_size"],
+        shift=meta["shift"],
+        seed=meta["seed"],
+        local_attn_size=spec["local_attn_size"],
         sink_size=spec["sink_size"],
-    )  # fmt: skip
+    )
     session = FastSession(golden_model(), g["context"], g["y"][:, : lat[0]], lat, config, "cpu")
     flows = record_forwards(session)
     cam = g[f"{run}/cam"].float()
@@ -187,11 +189,19 @@ def test_frame_rule_refuses_short_or_bad(bad):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("shift", 0), ("shift", float("nan")), ("timestep_index", ()), ("timestep_index", (0, 1000)),
-        ("timestep_index", (0.5,)), ("seed", -1), ("sink_size", -1), ("local_attn_size", 0),
-        ("local_attn_size", -2), ("kv_dtype", torch.int8), ("kv_dtype", "fp8"),
+        ("shift", 0),
+        ("shift", float("nan")),
+        ("timestep_index", ()),
+        ("timestep_index", (0, 1000)),
+        ("timestep_index", (0.5,)),
+        ("seed", -1),
+        ("sink_size", -1),
+        ("local_attn_size", 0),
+        ("local_attn_size", -2),
+        ("kv_dtype", torch.int8),
+        ("kv_dtype", "fp8"),
     ],
-)  # fmt: skip
+)
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         FastConfig(**{field: value}).validate()

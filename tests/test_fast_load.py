@@ -113,8 +113,12 @@ def test_every_gap_listed_at_once(tmp_path, nf4_ckpt):
         FC.resolve_fast_dir(empty)
     msg = str(err.value)
     assert "incomplete LingBot-World-Fast checkpoint" in msg
-    for needle in ("lingbot_world_fast/ (the Fast model", "models_t5_umt5-xxl-enc-bf16.pth (text encoder)",
-                   "Wan2.1_VAE.pth (VAE)", "huggingface-cli download robbyant/lingbot-world-fast"):  # fmt: skip
+    for needle in (
+        "lingbot_world_fast/ (the Fast model",
+        "models_t5_umt5-xxl-enc-bf16.pth (text encoder)",
+        "Wan2.1_VAE.pth (VAE)",
+        "huggingface-cli download robbyant/lingbot-world-fast",
+    ):
         assert needle in msg, msg
     # a missing shard and a missing VAE, both named
     root = tmp_path / "base"
@@ -218,23 +222,40 @@ def test_quantize_bad_input(base, tmp_path, capsys, nf4_ckpt):
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
     expect_error(capsys, ["quantize", src, str(taken), "--device", "cpu"], "exists; pass --overwrite")
-    expect_error(capsys, ["quantize", src, str(taken), "--device", "cpu", "--overwrite"],
-                 "is not an NF4 expert folder")  # fmt: skip
+    expect_error(
+        capsys, ["quantize", src, str(taken), "--device", "cpu", "--overwrite"], "is not an NF4 expert folder"
+    )
     assert (taken / "notes.txt").read_text() == "mine"
     expect_error(capsys, ["quantize", src, src, "--device", "cpu", "--overwrite"], "would replace the source")
-    expect_error(capsys, ["quantize", str(base), str(base), "--device", "cpu", "--overwrite"],
-                 "would replace the source")  # fmt: skip
-    expect_error(capsys, ["quantize", str(nf4_ckpt / "low_noise_model_bnb_nf4"), str(tmp_path / "x"),
-                          "--device", "cpu"], "already quantized")  # fmt: skip
-    expect_error(capsys, ["quantize", str(tmp_path / "nope"), str(tmp_path / "x"), "--device", "cpu"],
-                 "nope: checkpoint file or folder not found")  # fmt: skip
-    expect_error(capsys, ["quantize", src, str(tmp_path / "no" / "x"), "--device", "cpu"],
-                 "parent folder does not exist")  # fmt: skip
+    expect_error(
+        capsys,
+        ["quantize", str(base), str(base), "--device", "cpu", "--overwrite"],
+        "would replace the source",
+    )
+    expect_error(
+        capsys,
+        ["quantize", str(nf4_ckpt / "low_noise_model_bnb_nf4"), str(tmp_path / "x"), "--device", "cpu"],
+        "already quantized",
+    )
+    expect_error(
+        capsys,
+        ["quantize", str(tmp_path / "nope"), str(tmp_path / "x"), "--device", "cpu"],
+        "nope: checkpoint file or folder not found",
+    )
+    expect_error(
+        capsys,
+        ["quantize", src, str(tmp_path / "no" / "x"), "--device", "cpu"],
+        "parent folder does not exist",
+    )
     expect_error(capsys, ["quantize", src, str(tmp_path / "x"), "--device", "tpu"], "--device")
     broken = fast_folder(tmp_path / "broken", shards=2)
     (broken / "diffusion_pytorch_model-00001-of-00002.safetensors").unlink()
-    expect_error(capsys, ["quantize", str(broken), str(tmp_path / "x"), "--device", "cpu"],
-                 "missing shard files", "00001-of-00002")  # fmt: skip
+    expect_error(
+        capsys,
+        ["quantize", str(broken), str(tmp_path / "x"), "--device", "cpu"],
+        "missing shard files",
+        "00001-of-00002",
+    )
     assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".x*"))
 
 
@@ -295,8 +316,9 @@ print("RESULT " + json.dumps(dict(growth=s.growth, model=model_bytes, largest=sr
 @pytest.mark.slow
 def test_fp32_shards_quantize_within_one_tensor_of_ram(tmp_path):
     folder = fast_folder(tmp_path / "fp32", MEM_CFG, shards=3)
-    run = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(folder)], capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", CHILD, str(ROOT), str(folder)], capture_output=True, text=True, timeout=300
+    )
     line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     assert run.returncode == 0 and line, run.stderr[-3000:]
     m = json.loads(line[0][7:])

@@ -51,9 +51,23 @@ def resolve_fast_dir_config(nf4_ckpt):
 
 def fast_args(ckpt, example, out, *extra):
     return [
-        "fast", "--ckpt_dir", str(ckpt), "--image", str(example / "image.jpg"), "--prompt", "a castle",
-        "--size", "64*112", "--device", "cpu", "--t5_mode", "inprocess", "--output", str(out), *extra,
-    ]  # fmt: skip
+        "fast",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(example / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--size",
+        "64*112",
+        "--device",
+        "cpu",
+        "--t5_mode",
+        "inprocess",
+        "--output",
+        str(out),
+        *extra,
+    ]
 
 
 class Offline:
@@ -85,8 +99,19 @@ def test_fast_command_whole_path(fast_ckpt, shipped_example, tmp_path, capsys, o
     """Poses up front: 25 frames asked -> 7 latent frames cut to 6 (2 chunks, 21 frames), each chunk
     decoded as it finishes; the saved latent is generate_fast's with upstream Fast's camera."""
     out, saved, frames_dir = tmp_path / "o.mp4", tmp_path / "o.latent", tmp_path / "frames"
-    args = fast_args(fast_ckpt, shipped_example, out, "--action_path", str(shipped_example), "--frame_num",
-                     "25", "--save_latent", str(saved), "--frames_dir", str(frames_dir))  # fmt: skip
+    args = fast_args(
+        fast_ckpt,
+        shipped_example,
+        out,
+        "--action_path",
+        str(shipped_example),
+        "--frame_num",
+        "25",
+        "--save_latent",
+        str(saved),
+        "--frames_dir",
+        str(frames_dir),
+    )
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
     assert "frames: 25 asked, 21 made (6 latent frames" in printed
@@ -128,8 +153,11 @@ def test_steering_camera_is_causal_and_matches_act2cam():
     assert not torch.equal(full[:, :, 6:9], other[:, :, 6:9])  # chunk 2's own keys do count
 
     # latent frame i sits on act2cam's pose at video frame 4i: 8 key rows for chunk 0, then 12
-    rows = np.repeat(np.array([[1, 0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0], [0] * 8], np.float32),
-                     [8, 12, 12], axis=0)  # fmt: skip
+    rows = np.repeat(
+        np.array([[1, 0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0], [0] * 8], np.float32),
+        [8, 12, 12],
+        axis=0,
+    )
     poses = actions_to_poses(rows[:, :4], rows[:, 4:])
     np.testing.assert_allclose(steering.latent_poses().numpy(), poses[::4], atol=1e-6)
     # a path whose fastest step is one held key: the fixed step gives upstream's whole-path normalisation
@@ -156,14 +184,25 @@ def test_keys_file_steers_chunk_by_chunk(fast_ckpt, shipped_example, tmp_path, c
         written.append(len(list(frames_dir.glob("frame_*.png"))))
 
     monkeypatch.setattr(fast_run.FrameSink, "add", add)
-    args = fast_args(fast_ckpt, shipped_example, out, "--keys", str(keys), "--save_latent", str(saved),
-                     "--frames_dir", str(frames_dir))  # fmt: skip
+    args = fast_args(
+        fast_ckpt,
+        shipped_example,
+        out,
+        "--keys",
+        str(keys),
+        "--save_latent",
+        str(saved),
+        "--frames_dir",
+        str(frames_dir),
+    )
     assert cli.main(args) == 0
     assert written == [9, 21, 33]
     printed = capsys.readouterr().out
     assert [line.split(":")[0] for line in printed.splitlines() if line.startswith("chunk ")] == [
-        "chunk 1/3", "chunk 2/3", "chunk 3/3"
-    ]  # fmt: skip
+        "chunk 1/3",
+        "chunk 2/3",
+        "chunk 3/3",
+    ]
     assert read_mp4_info(out)["frames"] == 33
 
     cam = keys_camera(KEYS, SIZE, preset_intrinsics(np.ones(1), SIZE[2:]))
@@ -218,8 +257,21 @@ def test_bad_input_exits_2_before_loading(
 
 def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeypatch, capsys):
     saved = tmp_path / "cli.latent"
-    args = fast_args(fast_ckpt, shipped_example, tmp_path / "o.mp4", "--action_path", str(shipped_example),
-                     "--frame_num", "21", "--seed", "5", "--local_attn_size", "3", "--save_latent", str(saved))  # fmt: skip
+    args = fast_args(
+        fast_ckpt,
+        shipped_example,
+        tmp_path / "o.mp4",
+        "--action_path",
+        str(shipped_example),
+        "--frame_num",
+        "21",
+        "--seed",
+        "5",
+        "--local_attn_size",
+        "3",
+        "--save_latent",
+        str(saved),
+    )
     assert cli.main(args) == 0
 
     nodes = _fake_comfy(monkeypatch, fast_ckpt, tmp_path)
@@ -234,8 +286,9 @@ def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeyp
     assert out["samples"].shape == (1, 16, 6, 6, 14)
     assert torch.equal(out["samples"], load_file(str(saved))["latent_tensor"])
     with pytest.raises(ValueError, match="connect LingBot Text Encode"):
-        nodes.LingBotFastSampler().sample(model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, -1,
-                                          0, "bf16")  # fmt: skip
+        nodes.LingBotFastSampler().sample(
+            model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, -1, 0, "bf16"
+        )
 
 
 def test_ctrl_c_between_chunks_writes_no_mp4(fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch):

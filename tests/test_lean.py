@@ -169,8 +169,9 @@ def test_pipeline_runs_lean_only_when_asked_and_restores_the_expert():
 
     def run(speed):
         states.clear()
-        return pipeline.denoise(lambda which: model, noise, y, ctx, null, cam, SampleConfig(sample_steps=3),
-                                speed=speed)  # fmt: skip
+        return pipeline.denoise(
+            lambda which: model, noise, y, ctx, null, cam, SampleConfig(sample_steps=3), speed=speed
+        )
 
     want = run(SpeedOptions())  # 'auto' no planner resolved: the normal blocks
     assert set(states) == {False}

@@ -157,7 +157,9 @@ def test_checkpoint_folder_lists_unusable_files_with_what_they_are(tmp_path, fil
 def test_broken_symlink_is_reported_as_not_found_with_its_target(tmp_path):
     link = tmp_path / "vae.pth"
     os.symlink(tmp_path / "gone.pth", link)
-    with pytest.raises(FileNotFoundError, match=r"vae\.pth: Wan2\.1 VAE file not found \(a broken symlink to .*gone\.pth\)"):  # fmt: skip
+    with pytest.raises(
+        FileNotFoundError, match=r"vae\.pth: Wan2\.1 VAE file not found \(a broken symlink to .*gone\.pth\)"
+    ):
         V.load_vae(link)
 
 
@@ -208,9 +210,11 @@ def test_unreadable_files_say_permission_denied(tmp_path, files):
     try:
         run = subprocess.run(
             [sys.executable, "-c", PERMISSION_CHILD, str(ROOT), str(root)],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True,
+            text=True,
+            timeout=300,
             preexec_fn=unreadable.preexec(),
-        )  # fmt: skip
+        )
     except subprocess.SubprocessError as e:
         pytest.skip(f"cannot drop root's read override here ({e})")
     finally:
@@ -278,12 +282,16 @@ def test_wrong_model_given_names_the_file(files, load, given, message):
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("token_embedding.weight", torch.zeros(5), r"token_embedding\.weight has shape \[5\], expected a non-empty 2-D"),
+        (
+            "token_embedding.weight",
+            torch.zeros(5),
+            r"token_embedding\.weight has shape \[5\], expected a non-empty 2-D",
+        ),
         ("blocks.0.attn.q.weight", torch.zeros(7), r"blocks\.0\.attn\.q\.weight has shape \[7\]"),
         ("token_embedding.weight", torch.zeros(0, 32), r"has shape \[0, 32\]"),
         ("blocks.0.attn.q.weight", torch.zeros(32, 32, dtype=torch.int32), "unsupported dtype torch.int32"),
     ],
-)  # fmt: skip
+)
 def test_text_encoder_wrong_shapes_and_dtypes(tmp_path, key, value, message):
     sd = upstream_state_dict(TINY) | {key: value}
     path = write_pth(tmp_path / "enc.pth", sd)
@@ -295,11 +303,19 @@ def test_text_encoder_wrong_shapes_and_dtypes(tmp_path, key, value, message):
 @pytest.mark.parametrize(
     "key, change, message",
     [
-        ("decoder.conv1.weight", lambda t: t.to(torch.int32), "is torch.int32, expected a floating-point dtype"),
+        (
+            "decoder.conv1.weight",
+            lambda t: t.to(torch.int32),
+            "is torch.int32, expected a floating-point dtype",
+        ),
         ("decoder.conv1.bias", lambda t: t > 0, "is torch.bool, expected a floating-point dtype"),
-        ("conv2.weight", lambda t: torch.zeros(()), r"'conv2\.weight' has shape \[\], expected \[16, 16, 1, 1, 1\]"),
+        (
+            "conv2.weight",
+            lambda t: torch.zeros(()),
+            r"'conv2\.weight' has shape \[\], expected \[16, 16, 1, 1, 1\]",
+        ),
     ],
-)  # fmt: skip
+)
 def test_vae_wrong_shapes_and_dtypes(tmp_path, files, key, change, message):
     sd = torch.load(files / "Wan2.1_VAE.pth", weights_only=True)
     sd[key] = change(sd[key])
@@ -425,8 +441,10 @@ def test_ctrl_c_during_load_expert_always_ends_as_keyboard_interrupt(tmp_path):
     path = S.write_nf4_expert(tmp_path / "e", CFG, seed=1) / "model.safetensors"
     proc = subprocess.Popen(
         [sys.executable, "-c", INTERRUPT_CHILD, str(ROOT), str(path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rng = random.Random(0)
     try:
         base = json.loads(proc.stdout.readline())

@@ -74,8 +74,11 @@ def test_nf4_meta_and_config_as_the_repack_writes_them(ckpts):
     assert not {"patch_size", "text_dim", "control_type", "qk_norm"} & set(cfg)
     src = F.detect_expert_format(ckpts["nf4"])
     assert src.quantization_meta["quant"] == {
-        "format": "bnb_nf4", "double_quant": True, "compute_dtype": "bfloat16", "quant_type": "nf4"
-    }  # fmt: skip
+        "format": "bnb_nf4",
+        "double_quant": True,
+        "compute_dtype": "bfloat16",
+        "quant_type": "nf4",
+    }
     state = src.quant_layers["blocks.0.ffn.0"].state
     assert state["blocksize"] == 64 and state["nested_blocksize"] == 256 and state["dtype"] == "bfloat16"
 
@@ -164,7 +167,10 @@ def test_find_experts_lists_every_missing_file(tmp_path, ckpts):
     with pytest.raises(FileNotFoundError, match="low_noise_model_bnb_nf4/ .* or .*low_noise_model/"):
         F.find_experts(root)
     (root / "low_noise_model_bnb_nf4").mkdir()  # present but empty: its files are named
-    with pytest.raises(FileNotFoundError, match=r"low_noise_model_bnb_nf4/model\.safetensors; .*low_noise_model_bnb_nf4/config\.json"):  # fmt: skip
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"low_noise_model_bnb_nf4/model\.safetensors; .*low_noise_model_bnb_nf4/config\.json",
+    ):
         F.find_experts(root)
 
 
@@ -262,7 +268,10 @@ def test_shape_and_dtype_mismatch(tmp_path, ckpts):
 def test_incomplete_quantization_components(tmp_path, ckpts):
     d = copy(ckpts["nf4"], tmp_path / "e")
     edit_safetensors(d / "model.safetensors", lambda s: s.pop("blocks.0.ffn.0.weight.nested_absmax"))
-    with pytest.raises(F.CheckpointError, match=r"components for layer blocks\.0\.ffn\.0: missing blocks\.0\.ffn\.0\.weight\.nested_absmax"):  # fmt: skip
+    with pytest.raises(
+        F.CheckpointError,
+        match=r"components for layer blocks\.0\.ffn\.0: missing blocks\.0\.ffn\.0\.weight\.nested_absmax",
+    ):
         F.detect_expert_format(d)
 
 
@@ -279,15 +288,23 @@ def test_quant_components_without_quant_state(tmp_path, ckpts):
 
 def test_quant_component_wrong_shape(tmp_path, ckpts):
     d = copy(ckpts["nf4"], tmp_path / "e")
-    edit_safetensors(d / "model.safetensors", lambda s: s.update({"text_embedding.0.weight.absmax": torch.zeros(7, dtype=torch.uint8)}))  # fmt: skip
-    with pytest.raises(F.CheckpointError, match=r"tensor text_embedding\.0\.weight\.absmax: expected torch\.uint8 \[32\]"):  # fmt: skip
+    edit_safetensors(
+        d / "model.safetensors",
+        lambda s: s.update({"text_embedding.0.weight.absmax": torch.zeros(7, dtype=torch.uint8)}),
+    )
+    with pytest.raises(
+        F.CheckpointError, match=r"tensor text_embedding\.0\.weight\.absmax: expected torch\.uint8 \[32\]"
+    ):
         F.detect_expert_format(d)
 
 
 def test_corrupt_quant_state_json(tmp_path, ckpts):
     d = copy(ckpts["nf4"], tmp_path / "e")
     key = "blocks.1.cam_scale_layer.weight.quant_state.bitsandbytes__nf4"
-    edit_safetensors(d / "model.safetensors", lambda s: s.update({key: torch.tensor(list(b'{"shape": [64'), dtype=torch.uint8)}))  # fmt: skip
+    edit_safetensors(
+        d / "model.safetensors",
+        lambda s: s.update({key: torch.tensor(list(b'{"shape": [64'), dtype=torch.uint8)}),
+    )
     with pytest.raises(F.CheckpointError, match=rf"tensor {key}: corrupt quant_state JSON"):
         F.detect_expert_format(d)
 
@@ -297,8 +314,14 @@ def test_quant_state_shape_disagrees_with_model(tmp_path, ckpts):
     key = "blocks.1.self_attn.o.weight.quant_state.bitsandbytes__nf4"
     state = json.loads(bytes(load_file(d / "model.safetensors")[key].tolist()))
     state["shape"] = [32, 128]  # same element count, so the packed components still fit
-    edit_safetensors(d / "model.safetensors", lambda s: s.update({key: torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)}))  # fmt: skip
-    with pytest.raises(F.CheckpointError, match=r"blocks\.1\.self_attn\.o\.weight \(quant_state shape \[32, 128\], expected \[64, 64\]\)"):  # fmt: skip
+    edit_safetensors(
+        d / "model.safetensors",
+        lambda s: s.update({key: torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)}),
+    )
+    with pytest.raises(
+        F.CheckpointError,
+        match=r"blocks\.1\.self_attn\.o\.weight \(quant_state shape \[32, 128\], expected \[64, 64\]\)",
+    ):
         F.detect_expert_format(d)
 
 
@@ -333,8 +356,16 @@ def test_quantization_meta_disagreeing(tmp_path, ckpts):
 
 def test_unknown_camera_width(tmp_path, ckpts):
     path = copy(ckpts["single"], tmp_path / "x.safetensors")
-    edit_safetensors(path, lambda s: s.update({"patch_embedding_wancamctrl.weight": torch.zeros(64, 1000, dtype=torch.bfloat16)}))  # fmt: skip
-    with pytest.raises(F.CheckpointError, match=r"patch_embedding_wancamctrl\.weight has 1000 in-features; expected 1536 \(cam\) or 1792 \(act\)"):  # fmt: skip
+    edit_safetensors(
+        path,
+        lambda s: s.update(
+            {"patch_embedding_wancamctrl.weight": torch.zeros(64, 1000, dtype=torch.bfloat16)}
+        ),
+    )
+    with pytest.raises(
+        F.CheckpointError,
+        match=r"patch_embedding_wancamctrl\.weight has 1000 in-features; expected 1536 \(cam\) or 1792 \(act\)",
+    ):
         F.detect_expert_format(path)
 
 
@@ -356,14 +387,20 @@ def test_index_disagreeing_with_shards(tmp_path, ckpts):
     if index["weight_map"]["head.head.bias"] == "diffusion_pytorch_model-00003-of-00003.safetensors":
         pytest.skip("head.head.bias already in the first shard")
     (d / F.DIFFUSERS_INDEX).write_text(json.dumps(index))
-    with pytest.raises(F.CheckpointError, match=r"listed but not in the named shard: head\.head\.bias; in a shard but not listed: blocks\.0\.norm3\.bias"):  # fmt: skip
+    with pytest.raises(
+        F.CheckpointError,
+        match=r"listed but not in the named shard: head\.head\.bias; in a shard but not listed: blocks\.0\.norm3\.bias",
+    ):
         F.detect_expert_format(d)
 
 
 def test_corrupt_pt(tmp_path, ckpts):
     d = copy(ckpts["nf4_pt"], tmp_path / "e")
     (d / "model.pt").write_bytes(b"PK\x03\x04 not really a zip")
-    with pytest.raises(F.CheckpointError, match=r"model\.pt: could not read it as a torch state dict with torch\.load\(weights_only=True, mmap=True\) \(PytorchStreamReader failed reading zip archive: not a ZIP archive\); supported"):  # fmt: skip
+    with pytest.raises(
+        F.CheckpointError,
+        match=r"model\.pt: could not read it as a torch state dict with torch\.load\(weights_only=True, mmap=True\) \(PytorchStreamReader failed reading zip archive: not a ZIP archive\); supported",
+    ):
         F.detect_expert_format(d)
 
 

@@ -104,8 +104,10 @@ def measured(tmp_path_factory):
     bf16 = S.write_diffusers_expert(root / "bf16", BF16_CFG, dtype=torch.bfloat16, shards=3)
     run = subprocess.run(
         [sys.executable, "-c", CHILD, str(ROOT), str(tiny), str(nf4), str(bf16)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     assert run.returncode == 0 and line, run.stderr[-3000:]
     return json.loads(line[0][7:])

@@ -179,8 +179,9 @@ def test_nf4_weights_untouched_and_detach_is_exact(nf4_dir, tmp_path):
     lowrank_file(tmp_path / "l.safetensors", patches, "comfy")
     diff_file(tmp_path / "d.safetensors", model, seed=4)
     with pytest.warns(UserWarning, match="dense side weights"):
-        handles = load_loras(model, [LoraSpec(tmp_path / "l.safetensors"), LoraSpec(tmp_path / "d.safetensors")],
-                             "high")  # fmt: skip
+        handles = load_loras(
+            model, [LoraSpec(tmp_path / "l.safetensors"), LoraSpec(tmp_path / "d.safetensors")], "high"
+        )
     assert len(handles) == 2 and attached_loras(model) == handles
     with torch.no_grad():
         patched = model(x, t, ctx, y=y, cam=cam)
@@ -346,8 +347,11 @@ def test_strength_zero_is_a_no_op(nf4_dir, tmp_path):
     x, t, ctx, y, cam = inputs()
     with torch.no_grad():
         plain = model(x, t, ctx, y=y, cam=cam)
-        load_loras(model, [parse_lora_spec(f"{tmp_path / 'l.safetensors'}:0"),
-                           LoraSpec(tmp_path / "d.safetensors", 0.0)], "high")  # fmt: skip
+        load_loras(
+            model,
+            [parse_lora_spec(f"{tmp_path / 'l.safetensors'}:0"), LoraSpec(tmp_path / "d.safetensors", 0.0)],
+            "high",
+        )
         assert len(attached_loras(model)) == 2
         assert torch.equal(model(x, t, ctx, y=y, cam=cam), plain)
     assert merge_into_weight("blocks.0.self_attn.q.weight", torch.ones(3), [Lora({}, 0.0)]).sum() == 3
@@ -395,9 +399,13 @@ def test_lora_for_another_model_is_refused_naming_the_tensor(nf4_dir, tmp_path):
     assert "diffusion_model.blocks.0.modulation.diff: shape [1, 6, 96], expected [1, 6, 64]" in msg
     assert "diffusion_model.blocks.0.ffn.2.lora_up.weight: low-rank 'up' without its 'down'" in msg
     assert "diffusion_model.blocks.0.self_attn.norm_k.diff_b: blocks.0.self_attn.norm_k has no bias" in msg
-    save_file({"diffusion_model.patch_embedding.lora_down.weight": torch.zeros(RANK, 36),
-               "diffusion_model.patch_embedding.lora_up.weight": torch.zeros(64, RANK)},
-              str(tmp_path / "conv.safetensors"))  # fmt: skip
+    save_file(
+        {
+            "diffusion_model.patch_embedding.lora_down.weight": torch.zeros(RANK, 36),
+            "diffusion_model.patch_embedding.lora_up.weight": torch.zeros(64, RANK),
+        },
+        str(tmp_path / "conv.safetensors"),
+    )
     with pytest.raises(LoraError, match="patch_embedding.*Conv3d.*only 'diff'"):
         read_lora(tmp_path / "conv.safetensors", model)
     (tmp_path / "l.pt").write_bytes(b"x")

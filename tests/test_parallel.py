@@ -64,20 +64,49 @@ def test_torchrun_cli_two_ranks_equals_one_process(nf4_ckpt, shipped_example, tm
 
     def args(out, latent):
         return [
-            "generate", "--ckpt_dir", str(nf4_ckpt), "--image", str(shipped_example / "image.jpg"),
-            "--prompt", "a castle", "--action_path", str(shipped_example), "--size", "64*112",
-            "--frame_num", "9", "--sampling_steps", "3", "--device", "cpu", "--t5_mode", "inprocess",
-            "--output", str(out), "--save_latent", str(latent),
-        ]  # fmt: skip
+            "generate",
+            "--ckpt_dir",
+            str(nf4_ckpt),
+            "--image",
+            str(shipped_example / "image.jpg"),
+            "--prompt",
+            "a castle",
+            "--action_path",
+            str(shipped_example),
+            "--size",
+            "64*112",
+            "--frame_num",
+            "9",
+            "--sampling_steps",
+            "3",
+            "--device",
+            "cpu",
+            "--t5_mode",
+            "inprocess",
+            "--output",
+            str(out),
+            "--save_latent",
+            str(latent),
+        ]
 
     assert cli.main(args(tmp_path / "one.mp4", tmp_path / "one.latent")) == 0
     root = Path(__file__).resolve().parents[1]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), str(root / "lingbot.py")]  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(root / "lingbot.py"),
+    ]
     run = subprocess.run(
         [*launch, *args(tmp_path / "two.mp4", tmp_path / "two.latent"), "--parallel", "auto"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
     assert read_mp4_info(tmp_path / "two.mp4")["frames"] == 9
@@ -116,13 +145,38 @@ def test_ctrl_c_under_torchrun_ends_every_rank_cleanly(nf4_ckpt, shipped_example
     out_dir.mkdir()
     root = Path(__file__).resolve().parents[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-        str(root / "lingbot.py"), "generate", "--ckpt_dir", str(nf4_ckpt),
-        "--image", str(shipped_example / "image.jpg"), "--prompt", "a castle",
-        "--action_path", str(shipped_example), "--size", "64*112", "--frame_num", "9",
-        "--sampling_steps", "400", "--device", "cpu", "--t5_mode", "inprocess",
-        "--output", str(out_dir / "clip.mp4"), "--parallel", "auto",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(root / "lingbot.py"),
+        "generate",
+        "--ckpt_dir",
+        str(nf4_ckpt),
+        "--image",
+        str(shipped_example / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--action_path",
+        str(shipped_example),
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--sampling_steps",
+        "400",
+        "--device",
+        "cpu",
+        "--t5_mode",
+        "inprocess",
+        "--output",
+        str(out_dir / "clip.mp4"),
+        "--parallel",
+        "auto",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     err = []
     reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(64), b"")), daemon=True)
@@ -204,8 +258,9 @@ def test_settings_under_sequence_parallel_are_accepted_or_refused_by_name():
     cfg = synthetic.tiny_config("cam")
 
     def plan(**kw):
-        return plan_request((480, 832), cfg, SampleConfig(), max_area=480 * 832, ulysses_size=2, ulysses_world=2,
-                            **kw)  # fmt: skip
+        return plan_request(
+            (480, 832), cfg, SampleConfig(), max_area=480 * 832, ulysses_size=2, ulysses_world=2, **kw
+        )
 
     assert plan(swap_blocks=1).swap_blocks == 1 and plan(swap_blocks="auto").swap_blocks == "auto"
     assert plan(speed=SpeedOptions(cache="easycache")).speed.cache == "easycache"

@@ -127,9 +127,18 @@ def test_camera_bit_identical_to_upstream(variant):
     _assert_equal(K, g[f"{key}/K"], "scaled intrinsics")
 
     cam, used_frames = camera_conditioning(
-        poses, source.intrinsics, frames, h, w, variant["lat_h"], variant["lat_w"], control_type=control,
-        actions=actions, dtype=torch.float32, act2cam=source.act2cam,
-    )  # fmt: skip
+        poses,
+        source.intrinsics,
+        frames,
+        h,
+        w,
+        variant["lat_h"],
+        variant["lat_w"],
+        control_type=control,
+        actions=actions,
+        dtype=torch.float32,
+        act2cam=source.act2cam,
+    )
     assert used_frames == frames
     assert list(cam.shape) == variant["shape"] and cam.shape[2] == lat_f
     index = g[f"{key}/index"]

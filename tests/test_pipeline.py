@@ -37,10 +37,27 @@ def upstream_ckpt(tmp_path_factory, nf4_ckpt):
 
 def generate_args(ckpt, example, out, *extra):
     return [
-        "generate", "--ckpt_dir", str(ckpt), "--image", str(example / "image.jpg"),
-        "--prompt", "a castle in the jungle", "--action_path", str(example), "--size", "64*112",
-        "--frame_num", "9", "--sampling_steps", "6", "--device", "cpu", "--output", str(out), *extra,
-    ]  # fmt: skip
+        "generate",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(example / "image.jpg"),
+        "--prompt",
+        "a castle in the jungle",
+        "--action_path",
+        str(example),
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--sampling_steps",
+        "6",
+        "--device",
+        "cpu",
+        "--output",
+        str(out),
+        *extra,
+    ]
 
 
 def test_cli_generate_nf4_layout_writes_expected_mp4(nf4_ckpt, shipped_example, tmp_path, capsys):
@@ -91,10 +108,18 @@ class Parts:
     def sample(self, switcher, seed=42, hooks=None, steps=6, **speed):
         settings = SampleConfig(sample_steps=steps, seed=seed)
         return pipeline.sample(
-            image=self.image, context=self.context, context_null=self.context_null, vae=self.vae,
-            experts=switcher, release_experts=switcher.release, size=self.size, frame_num=9,
-            settings=settings, hooks=hooks, **speed,
-        )  # fmt: skip
+            image=self.image,
+            context=self.context,
+            context_null=self.context_null,
+            vae=self.vae,
+            experts=switcher,
+            release_experts=switcher.release,
+            size=self.size,
+            frame_num=9,
+            settings=settings,
+            hooks=hooks,
+            **speed,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -292,8 +317,16 @@ def test_sample_takes_either_embeddings_or_a_pending_encode():
     def pending():
         raise AssertionError("never waited for")
 
-    args = dict(image=None, vae=None, experts=None, release_experts=lambda: None, size=(4, 4, 32, 32), frame_num=5,
-                settings=SampleConfig(), text=pending)  # fmt: skip
+    args = dict(
+        image=None,
+        vae=None,
+        experts=None,
+        release_experts=lambda: None,
+        size=(4, 4, 32, 32),
+        frame_num=5,
+        settings=SampleConfig(),
+        text=pending,
+    )
     with pytest.raises(ValueError, match="stands for context"):
         pipeline.sample(context=torch.zeros(3, 8), context_null=None, **args)
     with pytest.raises(ValueError, match="not under parallel"):
@@ -341,13 +374,27 @@ def test_cli_merges_a_lora_into_bf16_experts_while_quantizing(
     g = torch.Generator().manual_seed(0)
     dim = checkpoints.resolve_checkpoint_dir(upstream_ckpt).config.dim
     lora = tmp_path / "l.safetensors"
-    save_file({"lora_unet_blocks_0_self_attn_q.lora_down.weight": torch.randn(2, dim, generator=g),
-               "lora_unet_blocks_0_self_attn_q.lora_up.weight": torch.randn(dim, 2, generator=g)}, str(lora))  # fmt: skip
+    save_file(
+        {
+            "lora_unet_blocks_0_self_attn_q.lora_down.weight": torch.randn(2, dim, generator=g),
+            "lora_unet_blocks_0_self_attn_q.lora_up.weight": torch.randn(dim, 2, generator=g),
+        },
+        str(lora),
+    )
     latents = {}
     for name, extra in (("plain", []), ("merged", ["--lora", str(lora), "--lora_merge"])):
         out = tmp_path / f"{name}.latent"
-        args = generate_args(upstream_ckpt, shipped_example, tmp_path / f"{name}.mp4", "--quantize",
-                             "--t5_mode", "inprocess", "--save_latent", str(out), *extra)  # fmt: skip
+        args = generate_args(
+            upstream_ckpt,
+            shipped_example,
+            tmp_path / f"{name}.mp4",
+            "--quantize",
+            "--t5_mode",
+            "inprocess",
+            "--save_latent",
+            str(out),
+            *extra,
+        )
         assert cli.main(args) == 0, capsys.readouterr().err
         latents[name] = load_file(str(out))["latent_tensor"]
     assert not torch.equal(latents["plain"], latents["merged"])

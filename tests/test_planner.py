@@ -30,9 +30,13 @@ def planner(h=480, w=832, frames=81, **kw):
 def test_calibration_points_within_ten_percent():
     p480, p720 = planner().plan(24 * GIB), planner(720, 1280).plan(24 * GIB)
     for plan, phase, gib in (
-        (p480, "vae_encode", 7.43), (p480, "denoise_low", 14.80), (p480, "vae_decode", 6.79),
-        (p720, "vae_encode", 16.98), (p720, "denoise_low", 22.06), (p720, "vae_decode", 15.66),
-    ):  # fmt: skip
+        (p480, "vae_encode", 7.43),
+        (p480, "denoise_low", 14.80),
+        (p480, "vae_decode", 6.79),
+        (p720, "vae_encode", 16.98),
+        (p720, "denoise_low", 22.06),
+        (p720, "vae_decode", 15.66),
+    ):
         assert abs(plan.phase(phase).vram / GIB - gib) <= 0.1 * gib, (phase, plan.phase(phase).vram / GIB)
     lora = planner(lora_bytes={"high": 830_000_000, "low": 830_000_000}).plan()
     assert abs(lora.phase("denoise_high").vram / GIB - 15.57) < 0.3
@@ -99,10 +103,11 @@ def test_refusal_names_phase_and_fitting_settings():
     for changes in e.suggestions:  # every suggestion fits by the same model
         kw = dict(changes)
         fixed = p.with_(
-            frame_num=kw.get("frame_num"), swap_blocks=kw.get("swap_blocks", 0),
+            frame_num=kw.get("frame_num"),
+            swap_blocks=kw.get("swap_blocks", 0),
             lean_activations=kw.get("lean_activations") == "on",
             size=i2v.latent_size(720, 1280, i2v.parse_max_area(kw["size"])) if "size" in kw else None,
-        )  # fmt: skip
+        )
         assert not fixed.plan(20 * GIB).over(20 * GIB)
     with pytest.raises(mp.MemoryPlanError, match="text_encode.*--t5_cpu"):
         mp.check(planner(), 8 * GIB)
@@ -121,8 +126,21 @@ def demo_ckpt(tmp_path_factory):
 
 def generate_argv(ckpt, *extra):
     ex = ROOT / "examples" / "00"
-    return ["--ckpt_dir", str(ckpt), "--image", str(ex / "image.jpg"), "--prompt", "p",
-            "--size", "64*112", "--frame_num", "9", "--device", "cpu", *extra]  # fmt: skip
+    return [
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(ex / "image.jpg"),
+        "--prompt",
+        "p",
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_plan_subcommand_prints_table(demo_ckpt, capsys):
@@ -250,9 +268,14 @@ def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu")
     check = mp.MemoryCheck(request, "cuda", free_vram=12 * GIB)
     plan = plan_request(
-        (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, swap_blocks="auto",
+        (480, 832),
+        A14B,
+        SampleConfig(),
+        max_area=480 * 832,
+        memory=check,
+        swap_blocks="auto",
         speed=SpeedOptions(lean_activations=False),
-    )  # fmt: skip
+    )
     assert isinstance(plan.swap_blocks, int) and 0 < plan.swap_blocks < 40
     assert plan.swap_blocks == plan.memory.swap_blocks and plan.memory.peak_vram <= 12 * GIB
     assert plan.speed.lean_activations is False and not plan.memory.lean_activations
@@ -262,8 +285,14 @@ def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     )
     assert lean.speed.lean_activations is True and lean.memory.lean_activations
     assert lean.swap_blocks < plan.swap_blocks and lean.memory.peak_vram <= 12 * GIB
-    roomy = plan_request((480, 832), A14B, SampleConfig(), max_area=480 * 832, swap_blocks="auto",
-                         memory=mp.MemoryCheck(request, "cuda", free_vram=40 * GIB))  # fmt: skip
+    roomy = plan_request(
+        (480, 832),
+        A14B,
+        SampleConfig(),
+        max_area=480 * 832,
+        swap_blocks="auto",
+        memory=mp.MemoryCheck(request, "cuda", free_vram=40 * GIB),
+    )
     assert roomy.swap_blocks == 0 and roomy.speed.lean_activations is False  # fits: today's exact blocks
 
 
@@ -396,9 +425,17 @@ def test_plan_request_checks_per_rank_memory():
     from lingbot_world.wan.speed import SpeedOptions
 
     def plan(n, lean=False):
-        return plan_request((720, 1280), A14B, SampleConfig(), frame_num=161, max_area=720 * 1280,
-                            memory=check, ulysses_size=n, ulysses_world=n,
-                            speed=SpeedOptions(lean_activations=lean))  # fmt: skip
+        return plan_request(
+            (720, 1280),
+            A14B,
+            SampleConfig(),
+            frame_num=161,
+            max_area=720 * 1280,
+            memory=check,
+            ulysses_size=n,
+            ulysses_world=n,
+            speed=SpeedOptions(lean_activations=lean),
+        )
 
     with pytest.raises(mp.MemoryPlanError) as err:
         plan(1)
@@ -411,9 +448,18 @@ def test_plan_request_checks_per_rank_memory():
     with pytest.raises(mp.MemoryPlanError) as err:  # two ranks still need more than 22 GiB each
         plan(2)
     assert err.value.phase.startswith("denoise") and "--swap_blocks" in str(err.value)  # swap works with it
-    swapped = plan_request((720, 1280), A14B, SampleConfig(), frame_num=161, max_area=720 * 1280,
-                           memory=check, ulysses_size=2, ulysses_world=2, swap_blocks="auto",
-                           speed=SpeedOptions(lean_activations=False))  # fmt: skip
+    swapped = plan_request(
+        (720, 1280),
+        A14B,
+        SampleConfig(),
+        frame_num=161,
+        max_area=720 * 1280,
+        memory=check,
+        ulysses_size=2,
+        ulysses_world=2,
+        swap_blocks="auto",
+        speed=SpeedOptions(lean_activations=False),
+    )
     assert 0 < swapped.swap_blocks < 40 and swapped.memory.peak_vram <= 22 * GIB  # 'auto': this rank's fit
 
 

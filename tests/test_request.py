@@ -152,10 +152,27 @@ def test_cli_encodes_the_negative_prompt_only_for_cfg(
 
 def args_for(ckpt, example, out, *extra):
     return [
-        "generate", "--ckpt_dir", str(ckpt), "--image", str(example / "image.jpg"),
-        "--prompt", "a castle", "--action_path", str(example), "--size", "64*112",
-        "--frame_num", "9", "--sampling_steps", "4", "--device", "cpu", "--output", str(out), *extra,
-    ]  # fmt: skip
+        "generate",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(example / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--action_path",
+        str(example),
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--sampling_steps",
+        "4",
+        "--device",
+        "cpu",
+        "--output",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -384,10 +401,31 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     """The same request (a LoRA on the low-noise expert included) through both front ends."""
     latent_file = tmp_path / "cli.latent"
     lora = tiny_lora(tmp_path / "style.safetensors", checkpoints.resolve_checkpoint_dir(ckpt).config)
-    args = args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess", "--seed", "7",
-                    "--guide_scale", "4", "6", "--save_latent", str(latent_file),
-                    "--lora", f"{lora}:0.7:low", "--cache", "easycache", "--cache_threshold", "0.5", "2",
-                    "--cache_keep_first", "2", "--cache_keep_last", "0")  # fmt: skip
+    args = args_for(
+        ckpt,
+        shipped_example,
+        tmp_path / "o.mp4",
+        "--t5_mode",
+        "inprocess",
+        "--seed",
+        "7",
+        "--guide_scale",
+        "4",
+        "6",
+        "--save_latent",
+        str(latent_file),
+        "--lora",
+        f"{lora}:0.7:low",
+        "--cache",
+        "easycache",
+        "--cache_threshold",
+        "0.5",
+        "2",
+        "--cache_keep_first",
+        "2",
+        "--cache_keep_last",
+        "0",
+    )
     assert cli.main(_set(args, "--sampling_steps", "10")) == 0
     skipped = re.search(r"(\d+) skipped by the step cache", capsys.readouterr().out)
     assert skipped and int(skipped.group(1)) > 0  # the cache did work, so the node must match it
@@ -401,9 +439,25 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     (speed,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.0, 2, 0)
     speed = replace(speed, cache_threshold=(0.5, 2.0))  # the node's one threshold; the CLI's pair form
     (out,) = nodes.LingBotSampler().sample(
-        experts, vae, image, "max_area", "64*112", 832, 480, 9, 10, 10.0, 0.947, 4.0, 6.0, 7, "unipc",
-        camera=camera, speed=speed, text=text,
-    )  # fmt: skip
+        experts,
+        vae,
+        image,
+        "max_area",
+        "64*112",
+        832,
+        480,
+        9,
+        10,
+        10.0,
+        0.947,
+        4.0,
+        6.0,
+        7,
+        "unipc",
+        camera=camera,
+        speed=speed,
+        text=text,
+    )
     assert out["samples"].shape == saved["latent_tensor"].shape == (1, 16, 3, 6, 14)
     assert torch.equal(out["samples"], saved["latent_tensor"])
 
@@ -412,9 +466,23 @@ def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
     """The sampler node's latent for the request `args_for` makes (4 steps, seed 7, 64*112, 9 frames)."""
     text, vae, camera, image = node_inputs(nodes, example)
     (out,) = nodes.LingBotSampler().sample(
-        experts, vae, image, "max_area", "64*112", 832, 480, 9, 4, 10.0, 0.947, *guide, 7, "unipc",
-        camera=camera, text=text,
-    )  # fmt: skip
+        experts,
+        vae,
+        image,
+        "max_area",
+        "64*112",
+        832,
+        480,
+        9,
+        4,
+        10.0,
+        0.947,
+        *guide,
+        7,
+        "unipc",
+        camera=camera,
+        text=text,
+    )
     return out["samples"]
 
 
@@ -440,9 +508,24 @@ def test_lora_node_merges_before_quantizing_as_the_cli_does(
     cli_latents = {}
     for mode, extra in (("merge", ["--lora_merge"]), ("side", [])):
         out = tmp_path / f"{mode}.latent"
-        args = args_for(ckpt, shipped_example, tmp_path / f"{mode}.mp4", "--t5_mode", "inprocess", "--seed", "7",
-                        "--guide_scale", "4", "6", "--quantize", "--lora", f"{lora}:0.7", "--save_latent",
-                        str(out), *extra)  # fmt: skip
+        args = args_for(
+            ckpt,
+            shipped_example,
+            tmp_path / f"{mode}.mp4",
+            "--t5_mode",
+            "inprocess",
+            "--seed",
+            "7",
+            "--guide_scale",
+            "4",
+            "6",
+            "--quantize",
+            "--lora",
+            f"{lora}:0.7",
+            "--save_latent",
+            str(out),
+            *extra,
+        )
         assert cli.main(args) == 0, capsys.readouterr().err
         cli_latents[mode] = load_file(str(out))["latent_tensor"]
     assert not torch.equal(cli_latents["merge"], cli_latents["side"])
@@ -468,12 +551,19 @@ def test_lora_node_merges_before_quantizing_as_the_cli_does(
     assert remoded._switcher is switcher
     assert remoded.switcher(switcher.device, {"high": [], "low": []}) is not switcher
 
-    with pytest.raises(ValueError, match="mode 'merge before quantizing': merging happens before quantization: "
-                       "it needs quantize_to_nf4 on the LingBot Experts Loader"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="mode 'merge before quantizing': merging happens before quantization: "
+        "it needs quantize_to_nf4 on the LingBot Experts Loader",
+    ):
         nodes.LingBotLoRA().apply(
             nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(ckpt))[0],
-            lora.name, 0.7, "both", False, "merge before quantizing",
-        )  # fmt: skip
+            lora.name,
+            0.7,
+            "both",
+            False,
+            "merge before quantizing",
+        )
     (nf4,) = nodes.LingBotExpertsLoader().load("", "", True, 0.0, ckpt_dir=str(nf4_ckpt))
     with pytest.raises(ValueError, match="these experts are stored as NF4") as err:
         nodes.LingBotLoRA().apply(nf4, lora.name, 0.7, "low", False, "merge before quantizing")

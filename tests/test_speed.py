@@ -344,8 +344,9 @@ def test_registered_backend_runs_inside_the_loop_only(inputs, monkeypatch):
     assert attention.active() is attention.sdpa
 
 
-def comfy_pytorch_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
-                            skip_output_reshape=False, **kwargs):  # fmt: skip
+def comfy_pytorch_attention(
+    q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs
+):
     """ComfyUI's optimized_attention contract in its default layout: [b, tokens, heads * d] in and out."""
     assert not skip_reshape and not skip_output_reshape and mask is None
     b, _, inner = q.shape
@@ -379,8 +380,12 @@ def test_bench_speed_runs_tiny(tmp_path):
     env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_speed.py"), "--scale", "tiny", "--profile", "cfg1"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"eager", "cfg1", "floor", "floor_light", "device", "tokens"} <= summary.keys()

@@ -398,8 +398,11 @@ def _start_parent(ckpt, tmp_path, on_sigterm):
     tmp.mkdir()
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, str(Path(tx.ROOT)), str(ckpt), on_sigterm],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
     assert parent.stdout.readline().strip() == "encoding"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

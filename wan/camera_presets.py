@@ -55,18 +55,41 @@ DIRECTIONS = {
     "orbit": {"left": 1.0, "right": -1.0},
     "zoom": {"in": 1.0, "out": -1.0},
 }
-DEFAULT_AMOUNT = {"pan": 30.0, "tilt": 15.0, "roll": 15.0, "dolly": 1.0, "truck": 1.0, "pedestal": 0.5,
-                  "orbit": 45.0, "zoom": 1.5}  # fmt: skip
-UNITS = {"pan": "degrees", "tilt": "degrees", "roll": "degrees", "orbit": "degrees", "dolly": "units",
-         "truck": "units", "pedestal": "units", "zoom": "a focal factor > 0"}  # fmt: skip
+DEFAULT_AMOUNT = {
+    "pan": 30.0,
+    "tilt": 15.0,
+    "roll": 15.0,
+    "dolly": 1.0,
+    "truck": 1.0,
+    "pedestal": 0.5,
+    "orbit": 45.0,
+    "zoom": 1.5,
+}
+UNITS = {
+    "pan": "degrees",
+    "tilt": "degrees",
+    "roll": "degrees",
+    "orbit": "degrees",
+    "dolly": "units",
+    "truck": "units",
+    "pedestal": "units",
+    "zoom": "a focal factor > 0",
+}
 EASINGS = {
     "linear": lambda t: t,
     "ease-in": lambda t: t * t,
     "ease-out": lambda t: 1.0 - (1.0 - t) ** 2,
     "ease-in-out": lambda t: 0.5 - 0.5 * math.cos(math.pi * t),
 }
-EASING_ALIASES = {"ease": "ease-in-out", "smooth": "ease-in-out", "ease_in": "ease-in", "ease_out": "ease-out",
-                  "ease_in_out": "ease-in-out", "easein": "ease-in", "easeout": "ease-out"}  # fmt: skip
+EASING_ALIASES = {
+    "ease": "ease-in-out",
+    "smooth": "ease-in-out",
+    "ease_in": "ease-in",
+    "ease_out": "ease-out",
+    "ease_in_out": "ease-in-out",
+    "easein": "ease-in",
+    "easeout": "ease-out",
+}
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?(?:deg|°|u|x)?$")
 _FRAMES = re.compile(r"(\d+)f$")
 
@@ -230,8 +253,11 @@ def allot_frames(segments: list, frame_num: int | None, text: str = "") -> tuple
         raise _err(text, f"frame_num must be in [5, {MAX_FRAMES}], got {frame_num}")
     steps = frame_num - 1
     if fixed > steps:
-        raise _err(text, f"the segments' frame counts add up to {fixed}, more than the {steps} steps of "
-                   f"{frame_num} frames; lower them or ask for more frames")  # fmt: skip
+        raise _err(
+            text,
+            f"the segments' frame counts add up to {fixed}, more than the {steps} steps of "
+            f"{frame_num} frames; lower them or ask for more frames",
+        )
     left = steps - fixed
     counts = [s.frames for s in segments]
     if free:

@@ -407,10 +407,23 @@ class WanModel(nn.Module):
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"dim {dim} must split into {num_heads} heads of even size")
         self.config = DiTConfig(
-            model_type, tuple(patch_size), text_len, in_dim, dim, ffn_dim, freq_dim, text_dim,
-            out_dim, num_heads, num_layers, tuple(window_size), qk_norm, cross_attn_norm, eps,
+            model_type,
+            tuple(patch_size),
+            text_len,
+            in_dim,
+            dim,
+            ffn_dim,
+            freq_dim,
+            text_dim,
+            out_dim,
+            num_heads,
+            num_layers,
+            tuple(window_size),
+            qk_norm,
+            cross_attn_norm,
+            eps,
             control_type,
-        )  # fmt: skip
+        )
         self.patch_size = tuple(patch_size)
         self.text_len = text_len
         self.dim = dim
@@ -505,9 +518,11 @@ class WanModel(nn.Module):
         x = torch.cat([x, y], dim=0)
         w = self.patch_embedding.weight
         x = F.conv3d(
-            x.unsqueeze(0).to(dtype), w.to(dtype), self.patch_embedding.bias.to(dtype),
+            x.unsqueeze(0).to(dtype),
+            w.to(dtype),
+            self.patch_embedding.bias.to(dtype),
             stride=self.patch_size,
-        )[0]  # fmt: skip
+        )[0]
         grid = tuple(x.shape[1:])
         x = x.flatten(1).transpose(0, 1)  # [L, dim]
         if seq_len is not None and x.shape[0] > seq_len:

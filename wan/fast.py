@@ -240,9 +240,14 @@ class FastSession:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(config.seed))
         noise = torch.randn(
-            LATENT_CHANNELS, lat_f, lat_h, lat_w, dtype=torch.float32, generator=self.generator,
+            LATENT_CHANNELS,
+            lat_f,
+            lat_h,
+            lat_w,
+            dtype=torch.float32,
+            generator=self.generator,
             device=self.device,
-        )  # fmt: skip
+        )
         self._noise = list(noise.split(CHUNK_FRAMES, dim=1))
         self._y = list(y.to(self.device).split(CHUNK_FRAMES, dim=1))
         self._context = context.to(self.device)
@@ -254,10 +259,15 @@ class FastSession:
         dtype = model.compute_dtype
         blk = model.blocks[0].self_attn
         self._cache = SelfKVCache(
-            len(model.blocks), self.frame_seqlen * _cache_frames(lat_f, config), blk.num_heads, blk.head_dim,
+            len(model.blocks),
+            self.frame_seqlen * _cache_frames(lat_f, config),
+            blk.num_heads,
+            blk.head_dim,
             config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
-            config.kv_dtype or dtype, dtype, self.device,
-        )  # fmt: skip
+            config.kv_dtype or dtype,
+            dtype,
+            self.device,
+        )
         self._cross: list | None = [None] * len(model.blocks)
         self._chunks: list[torch.Tensor] = []
         self._closed = False
@@ -360,9 +370,16 @@ class FastSession:
         if cam is None:
             return None
         _, lat_h, lat_w = self.lat_shape
-        if not isinstance(cam, torch.Tensor) or cam.dim() != 5 or tuple(cam.shape[2:]) != (
-            CHUNK_FRAMES, lat_h, lat_w,
-        ):  # fmt: skip
+        if (
+            not isinstance(cam, torch.Tensor)
+            or cam.dim() != 5
+            or tuple(cam.shape[2:])
+            != (
+                CHUNK_FRAMES,
+                lat_h,
+                lat_w,
+            )
+        ):
             got = list(cam.shape) if isinstance(cam, torch.Tensor) else type(cam).__name__
             raise ValueError(
                 f"cam: expected this chunk's camera slice [1, C, {CHUNK_FRAMES}, {lat_h}, {lat_w}], got {got}"

@@ -379,8 +379,10 @@ def merge_into_weight(name: str, weight: torch.Tensor, loras) -> torch.Tensor:
             deltas.append(q.diff.float())
         for d in deltas:
             if d.shape != weight.shape:
-                raise LoraError(f"LoRA {lora.name}: delta for {name} has shape {list(d.shape)}, "
-                                f"the weight {list(weight.shape)}")  # fmt: skip
+                raise LoraError(
+                    f"LoRA {lora.name}: delta for {name} has shape {list(d.shape)}, "
+                    f"the weight {list(weight.shape)}"
+                )
             d = lora.strength * d.to(weight.device)
             total = d if total is None else total + d
     if total is None:

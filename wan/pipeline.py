@@ -201,6 +201,6 @@ def sample(
         cam = None if cam is None else cam.to(device)
         return denoise(
             experts, noise, y, context, context_null, cam, settings, hooks, speed, stats, parallel, text
-        )  # fmt: skip
+        )
     finally:
         release_experts()

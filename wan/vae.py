@@ -28,13 +28,41 @@ CACHE_T = 2  # frames of history a k=3 causal conv needs
 
 # Upstream per-channel latent statistics (Wan2_1_VAE): latent = (mu - mean) / std.
 LATENT_MEAN = (
-    -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-    0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
-)  # fmt: skip
+    -0.7571,
+    -0.7089,
+    -0.9113,
+    0.1075,
+    -0.1745,
+    0.9653,
+    -0.1517,
+    1.5508,
+    0.4134,
+    -0.0715,
+    0.5517,
+    -0.3632,
+    -0.1922,
+    -0.9497,
+    0.2503,
+    -0.2921,
+)
 LATENT_STD = (
-    2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-    3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
-)  # fmt: skip
+    2.8184,
+    1.4541,
+    2.3275,
+    2.6558,
+    1.2196,
+    1.7708,
+    2.6052,
+    2.0743,
+    3.2687,
+    2.1526,
+    2.8652,
+    1.5579,
+    1.6382,
+    1.1253,
+    2.8251,
+    1.9160,
+)
 
 # Upstream `_video_vae` configuration of Wan2.1_VAE.pth.
 WAN21_VAE_CONFIG = dict(
@@ -493,8 +521,9 @@ class ChunkDecoder:
     must have the same h, w. `close()` (or leaving a `with` block) frees the caches.
     """
 
-    def __init__(self, vae: WanVAE, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2,
-                 out_device=None):  # fmt: skip
+    def __init__(
+        self, vae: WanVAE, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2, out_device=None
+    ):
         if not isinstance(chunk_frames, int) or chunk_frames < 1:
             raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
         if tile is not None and tile != "auto":

@@ -25,9 +25,11 @@ def tiny_wan_clip(path: str):
         params={}, clip=comfy.text_encoders.wan.te(), tokenizer=comfy.text_encoders.wan.WanT5Tokenizer
     )
     clip = comfy.sd.CLIP(
-        target, tokenizer_data={"spiece_model": sd.get("spiece_model")},
-        parameters=comfy.utils.calculate_parameters(sd), model_options={"umt5xxl_model_config": config},
-    )  # fmt: skip
+        target,
+        tokenizer_data={"spiece_model": sd.get("spiece_model")},
+        parameters=comfy.utils.calculate_parameters(sd),
+        model_options={"umt5xxl_model_config": config},
+    )
     missing, _ = clip.load_sd(sd)
     if missing:
         raise ValueError(f"{path}: missing {missing}")

@@ -7,5 +7,11 @@ def umt5_config(sd: dict) -> dict:
     d_ff, d_model = sd["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"].shape
     heads = sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].shape[1]
     inner = sd["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0]
-    return {"d_model": d_model, "d_ff": d_ff, "num_layers": len(blocks), "num_heads": heads,
-            "d_kv": inner // heads, "vocab_size": sd["shared.weight"].shape[0]}  # fmt: skip
+    return {
+        "d_model": d_model,
+        "d_ff": d_ff,
+        "num_layers": len(blocks),
+        "num_heads": heads,
+        "d_kv": inner // heads,
+        "vocab_size": sd["shared.weight"].shape[0],
+    }

@@ -79,10 +79,22 @@ CAMERA_SAMPLES = 2048
 
 # Tiny DiT (fields of upstream's WanModel constructor)
 DIT_CONFIG = dict(
-    model_type="i2v", patch_size=(1, 2, 2), text_len=8, in_dim=36, dim=32, ffn_dim=64, freq_dim=16,
-    text_dim=24, out_dim=16, num_heads=2, num_layers=2, window_size=(-1, -1), qk_norm=True,
-    cross_attn_norm=True, eps=1e-6,
-)  # fmt: skip
+    model_type="i2v",
+    patch_size=(1, 2, 2),
+    text_len=8,
+    in_dim=36,
+    dim=32,
+    ffn_dim=64,
+    freq_dim=16,
+    text_dim=24,
+    out_dim=16,
+    num_heads=2,
+    num_layers=2,
+    window_size=(-1, -1),
+    qk_norm=True,
+    cross_attn_norm=True,
+    eps=1e-6,
+)
 DIT_LATENT = (16, 2, 4, 6)  # [C, F, H, W]
 DIT_TIMESTEPS = {"cam": 937, "plain": 412}
 
@@ -285,9 +297,16 @@ def upstream_camera(up, control_type: str, max_area: int, frame_num: int, act2ca
     img = np.zeros((*IMAGE_HW, 3), dtype=np.uint8)
     try:
         pipe.generate(
-            "-", img, action_path=str(EXAMPLE), allow_act2cam=act2cam, action_string=action_string,
-            vis_ui=False, max_area=max_area, frame_num=frame_num, seed=0,
-        )  # fmt: skip
+            "-",
+            img,
+            action_path=str(EXAMPLE),
+            allow_act2cam=act2cam,
+            action_string=action_string,
+            vis_ui=False,
+            max_area=max_area,
+            frame_num=frame_num,
+            seed=0,
+        )
     except _Captured as e:
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code is not up.i2v.WanI2V.generate.__code__:
@@ -326,11 +345,18 @@ def make_camera(up) -> tuple[dict, dict]:
                 tensors[f"{key}/c2w"] = torch.from_numpy(np.ascontiguousarray(loc["c2ws"]))
             variants.append(
                 {
-                    "key": key, "kind": name, "height": h, "width": w, "lat_h": int(loc["lat_h"]),
-                    "lat_w": int(loc["lat_w"]), "frame_num": int(loc["F"]), "shape": list(cam.shape),
-                    "act2cam": bool(kw.get("act2cam")), "action_string": kw.get("action_string"),
+                    "key": key,
+                    "kind": name,
+                    "height": h,
+                    "width": w,
+                    "lat_h": int(loc["lat_h"]),
+                    "lat_w": int(loc["lat_w"]),
+                    "frame_num": int(loc["F"]),
+                    "shape": list(cam.shape),
+                    "act2cam": bool(kw.get("act2cam")),
+                    "action_string": kw.get("action_string"),
                 }
-            )  # fmt: skip
+            )
             print(f"camera {key}: {list(cam.shape)} frames {int(loc['F'])}", flush=True)
             del loc, cam
     hashes = {f: hashlib.sha256((EXAMPLE / f).read_bytes()).hexdigest() for f in EXAMPLE_FILES}
@@ -383,9 +409,14 @@ def make_vae(up) -> tuple[dict, dict]:
     mod = up.vae
     with torch.device("meta"):
         shapes = mod.WanVAE_(
-            dim=VAE_DIM, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-            temperal_downsample=[False, True, True], dropout=0.0,
-        )  # fmt: skip
+            dim=VAE_DIM,
+            z_dim=16,
+            dim_mult=[1, 2, 4, 4],
+            num_res_blocks=2,
+            attn_scales=[],
+            temperal_downsample=[False, True, True],
+            dropout=0.0,
+        )
     weights = _seeded_weights(shapes, 13)
     with tempfile.TemporaryDirectory() as tmp:
         pth = Path(tmp) / "vae.pth"
@@ -435,9 +466,14 @@ def _record_forwards(model, calls: list):
         cams = tuple(c.float() for c in dit_cond_dict["c2ws_plucker_emb"])
         out = real(x, t, context, seq_len, y=y, dit_cond_dict={"c2ws_plucker_emb": cams}, **kw)
         calls.append(
-            {"t": t.clone(), "y": y[0].clone(), "cam": cams[0].clone(), "start": kw["current_start"],
-             "out": out[0].clone()}
-        )  # fmt: skip
+            {
+                "t": t.clone(),
+                "y": y[0].clone(),
+                "cam": cams[0].clone(),
+                "start": kw["current_start"],
+                "out": out[0].clone(),
+            }
+        )
         return out
 
     model.forward = forward
@@ -468,21 +504,40 @@ def make_fast(up) -> tuple[dict, dict]:
         _record_forwards(model, calls)
         pipe = object.__new__(fast.WanI2VFast)
         pipe.__dict__.update(
-            device=torch.device("cpu"), rank=0, t5_cpu=True, num_train_timesteps=1000,
-            param_dtype=torch.bfloat16, pipe_dtype=torch.float32, control_type="cam",
-            local_attn_size=run["local_attn_size"], sink_size=run["sink_size"], vae_stride=(4, 8, 8),
-            patch_size=(1, 2, 2), sp_size=1, model=model, vae=_StandInVae(image_latent), _t5_cache={},
-            _cross_attn_initialized=False, text_encoder=lambda texts, device: [context],
+            device=torch.device("cpu"),
+            rank=0,
+            t5_cpu=True,
+            num_train_timesteps=1000,
+            param_dtype=torch.bfloat16,
+            pipe_dtype=torch.float32,
+            control_type="cam",
+            local_attn_size=run["local_attn_size"],
+            sink_size=run["sink_size"],
+            vae_stride=(4, 8, 8),
+            patch_size=(1, 2, 2),
+            sp_size=1,
+            model=model,
+            vae=_StandInVae(image_latent),
+            _t5_cache={},
+            _cross_attn_initialized=False,
+            text_encoder=lambda texts, device: [context],
             scheduler=up.unipc.FlowUniPCMultistepScheduler(
                 num_train_timesteps=1000, shift=1, use_dynamic_shifting=False
             ),
-        )  # fmt: skip
+        )
         img = np.zeros((*FAST_IMAGE_HW, 3), dtype=np.uint8)
         pipe.generate(
-            "-", img, action_path=str(EXAMPLE), chunk_size=3, max_area=math.prod(FAST_IMAGE_HW),
-            frame_num=run["frame_num"], shift=FAST_SHIFT, seed=FAST_SEED, offload_model=False,
+            "-",
+            img,
+            action_path=str(EXAMPLE),
+            chunk_size=3,
+            max_area=math.prod(FAST_IMAGE_HW),
+            frame_num=run["frame_num"],
+            shift=FAST_SHIFT,
+            seed=FAST_SEED,
+            offload_model=False,
             max_sequence_length=config["text_len"],
-        )  # fmt: skip
+        )
         latent = pipe.vae.decoded
         lat_f = latent.shape[1]
         firsts = calls[:: len(calls) // (lat_f // 3)]  # the first forward of each chunk

@@ -49,6 +49,32 @@ class DiTConfig:
 
 
 A14B = DiTConfig()
+# LingBot-World 2.0 1.3B causal-fast (upstream task i2v-1.3B); its checkpoint ships no config.json.
+V2_1_3B = DiTConfig(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30)
+
+
+@dataclass(frozen=True)
+class ChunkedKind:
+    """What tells the chunk-causal models apart (data for the one chunk loop, not a second loop)."""
+
+    name: str
+    dit: DiTConfig
+    chunk_frames: int  # latent frames per chunk
+    timestep_index: tuple[int, ...]  # indices into the 1000-step shifted schedule, one per step
+    shift: float
+    local_attn_size: int  # the documented run's self-attention window in latent frames (-1: all)
+    sink_size: int  # latent frames at the start the window never evicts
+
+
+# v1 Fast keeps upstream's CLI defaults (unbounded cache); v2's documented run is window 18, sink 6.
+CHUNKED_KINDS = {
+    k.name: k
+    for k in (
+        ChunkedKind("fast", A14B, 3, (0, 179, 358, 679), 10.0, -1, 0),
+        ChunkedKind("v2-14b", A14B, 4, (0, 250, 500, 750), 10.0, 18, 6),
+        ChunkedKind("v2-1.3b", V2_1_3B, 4, (0, 250, 500, 750), 5.0, 18, 6),
+    )
+}
 
 
 @dataclass(frozen=True)

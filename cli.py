@@ -317,15 +317,18 @@ LEAN_CHOICES = {"on": True, "off": False, "auto": "auto"}
 
 def speed_options(args) -> SpeedOptions:
     thresholds = args.cache_threshold
-    return SpeedOptions(
-        attention=args.attention,
-        compile=args.compile,
-        cache=None if args.cache == "none" else args.cache,
-        cache_threshold=thresholds[0] if len(thresholds) == 1 else (thresholds[0], thresholds[-1]),
-        cache_keep_first=args.cache_keep_first,
-        cache_keep_last=args.cache_keep_last,
-        lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
-    )
+    try:
+        return SpeedOptions(
+            attention=args.attention,
+            compile=args.compile,
+            cache=None if args.cache == "none" else args.cache,
+            cache_threshold=thresholds[0] if len(thresholds) == 1 else (thresholds[0], thresholds[-1]),
+            cache_keep_first=args.cache_keep_first,
+            cache_keep_last=args.cache_keep_last,
+            lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
+        )
+    except ValueError as err:  # each message starts with the option's name
+        raise ValueError(f"--{err}") from None
 
 
 def guide_pair(values: list[float]) -> tuple[float, float]:
@@ -390,6 +393,34 @@ def default_output(stem: str) -> Path:
     return path
 
 
+def run_inputs(args) -> list:
+    """(flag, path) of what a generate/fast run reads: no output of the run may replace one of them."""
+    keys = getattr(args, "keys", None)
+    return [
+        ("--ckpt_dir", args.ckpt_dir),
+        ("--image", args.image),
+        ("--action_path", args.action_path),
+        ("--keys", None if keys in (None, "-") else keys),
+        *(("--lora", spec.path) for spec in getattr(args, "lora", ())),
+    ]
+
+
+def check_outputs(args, stem: str) -> Path:
+    """--output (default outputs/<stem>_<time>.mp4), --report and --save_latent, checked before anything
+    loads (`video.check_output`): none may replace an input of the run or another of them. Returns --output."""
+    taken = run_inputs(args)
+    output = video.check_output(args.output or default_output(stem), args.overwrite, taken)
+    taken.append(("--output", output))
+    for flag, path, overwrite in (
+        ("--report", args.report, True),  # a report is always rewritten
+        ("--save_latent", args.save_latent, args.overwrite),
+    ):
+        if path:
+            video.check_output(path, overwrite, taken)
+            taken.append((flag, path))
+    return output
+
+
 def camera_input(args, image_hw=None) -> camera_files.CameraInput | None:
     """--action_path (+ --action_string / --allow_act2cam), as upstream: keys drive the Cam model
     with synthetic poses and take their intrinsics from the folder. Or --camera_preset, its focal length
@@ -409,6 +440,14 @@ def camera_input(args, image_hw=None) -> camera_files.CameraInput | None:
         )
     if not args.action_path:
         return None
+    folder = args.action_path
+    if args.allow_act2cam and args.action_string:  # upstream: the string implies the flag, its keys win
+        print(f"--allow_act2cam: the keys come from --action_string, not from {folder}/wasd_action.npy")
+    elif args.allow_act2cam and folder.is_dir() and not (folder / "wasd_action.npy").is_file():
+        raise FileNotFoundError(
+            f"--allow_act2cam: {folder} has no wasd_action.npy (act2cam from files reads wasd_action.npy "
+            "and, if present, ijkl_action.npy); add it or give the keys with --action_string"
+        )
     return camera_files.CameraInput.from_dir(args.action_path, args.action_string, args.allow_act2cam)
 
 
@@ -520,11 +559,7 @@ def run_generate(args) -> int:
 
 
 def _run_generate(args) -> int:
-    output = video.check_output(args.output or default_output("lingbot"), args.overwrite)
-    if args.report:
-        video.check_output(args.report, overwrite=True)
-    if args.save_latent:
-        video.check_output(args.save_latent, args.overwrite)
+    output = check_outputs(args, "lingbot")
     device, files, tile, image, plan = prepare_generate(args)
     log = monitor.PhaseLog()
     hooks = pipeline.Hooks(phase=log.phase)
@@ -735,7 +770,10 @@ def add_fast_args(p: argparse.ArgumentParser):
         help="latent frames the attention cache keeps, sink included (-1: all, upstream's default)",
     )
     p.add_argument(
-        "--sink_size", type=int, default=0, help="latent frames at the start the window never evicts"
+        "--sink_size",
+        type=int,
+        default=0,
+        help="latent frames at the start the window never evicts (needs a --local_attn_size window)",
     )
     p.add_argument(
         "--kv_dtype",
@@ -792,10 +830,7 @@ def fast_camera(args, files, image, size, device):
 
 
 def run_fast(args) -> int:
-    output = video.check_output(args.output or default_output("lingbot_fast"), args.overwrite)
-    for extra in (args.report, args.save_latent):
-        if extra:
-            video.check_output(extra, overwrite=args.overwrite or extra == args.report)
+    output = check_outputs(args, "lingbot_fast")
     device = resolve_device(args.device)
     files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve())
     check_text_dim(read_encoder_config(files.text_encoder)["dim"], files.config)
@@ -916,9 +951,11 @@ def run_camera(args) -> int:
         raise ValueError("camera: give --preset TEXT or --action_path DIR")
     if args.action_string and not args.action_path:
         raise ValueError("--action_string needs --action_path (for intrinsics.npy, as upstream)")
-    for path in (args.save and args.save / "poses.npy", args.preview):
-        if path and path.exists() and not args.overwrite:
-            raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
+    saved = (
+        [args.save / n for n in ("poses.npy", "intrinsics.npy")] if args.save and args.save.is_dir() else []
+    )
+    for path in saved + ([args.preview] if args.preview else []):
+        video.check_output(path, args.overwrite, [("--action_path", args.action_path)])
     if args.camera_preset:
         cam, built = camera_authoring.preset_camera(
             args.camera_preset, args.frames, args.camera_speed, args.size, args.camera_fov
@@ -958,6 +995,12 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error(
                 "argument --t5_overlap on: not with sequence parallel (rank 0 encodes the text alone)"
             )
+    preset = getattr(args, "camera_preset", None)
+    if preset is not None and not preset.strip():
+        flag = "--preset" if args.command == "camera" else "--camera_preset"
+        parser.error(
+            f"argument {flag}: empty; give a path such as 'pan left 30 40f ease', or leave {flag} out"
+        )
     for flag in ("guide_scale", "cache_threshold"):
         values = getattr(args, flag, None)
         if values is not None and len(values) > 2:

@@ -13,6 +13,7 @@ import numpy as np
 from ..wan.actions import act2cam_trajectory
 from ..wan.camera import (
     camera_conditioning,
+    check_intrinsics_rows,
     usable_frames,
     used_frame_count,
     validate_actions,
@@ -51,7 +52,8 @@ def load_npy(path) -> np.ndarray:
 def load_camera_dir(path, require_poses: bool = True) -> dict:
     """Arrays of a camera folder: 'poses' and 'intrinsics' (required), 'action', 'wasd', 'ijkl' if present.
 
-    require_poses=False suits act2cam with an action string, which needs only intrinsics.npy.
+    require_poses=False suits act2cam with an action string, which needs only intrinsics.npy. With poses,
+    intrinsics.npy must have a row per pose or a single row (`wan.camera.check_intrinsics_rows`).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -67,6 +69,13 @@ def load_camera_dir(path, require_poses: bool = True) -> dict:
         arr = load_npy(file)
         validate = _VALIDATE.get(key, validate_actions)
         out[key] = validate(arr, str(file))
+    if "poses" in out:
+        check_intrinsics_rows(
+            len(out["intrinsics"]),
+            len(out["poses"]),
+            str(folder / CAMERA_FILES["intrinsics"]),
+            str(folder / CAMERA_FILES["poses"]),
+        )
     return out
 
 

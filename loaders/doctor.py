@@ -1,7 +1,7 @@
 """`lingbot.py doctor`: is this machine (and, given one, this checkpoint folder) ready to generate?
 
 Each check returns a `Check` (name, ok, what was found or what to fix); `main` prints the checklist and
-returns 1 when any check failed.
+returns 1 when any check failed (a --device that names no CUDA device is a ValueError first).
 """
 
 from dataclasses import dataclass
@@ -94,22 +94,34 @@ def check_pyav() -> Check:
 
 
 def check_checkpoints(ckpt_dir) -> list:
-    """Every checkpoint file validated from its headers: experts, text encoder, VAE."""
+    """Every checkpoint file validated from its headers: the two experts, the LingBot-World-Fast model (a
+    Fast folder, or a base-cam folder holding one: both are checked), the text encoder and the VAE."""
     from .checkpoints import resolve_checkpoint_dir
+    from .fast_checkpoint import fast_model_dir, is_model_folder, resolve_fast_dir
     from .text_encoder import read_encoder_config
     from .vae import check_vae
 
-    try:
-        files = resolve_checkpoint_dir(Path(ckpt_dir).expanduser().resolve())
-    except (ValueError, OSError) as e:
-        return [Check("checkpoints", False, str(e))]
-    out = [
-        Check(
-            "experts",
-            True,
-            f"{files.experts['high'].name} + {files.experts['low'].name}, control {files.control_type}",
-        )
-    ]
+    root = Path(ckpt_dir).expanduser().resolve()
+    fast_folder = root.is_dir() and is_model_folder(root)  # the Fast model's own folder: no base experts
+    out, files = [], None
+    if not fast_folder:
+        try:
+            files = resolve_checkpoint_dir(root)
+        except (ValueError, OSError) as e:
+            out.append(Check("checkpoints", False, str(e)))
+        else:
+            experts = f"{files.experts['high'].name} + {files.experts['low'].name}"
+            out.append(Check("experts", True, f"{experts}, control {files.control_type}"))
+    if fast_folder or fast_model_dir(root) != root:
+        try:
+            fast = resolve_fast_dir(root)
+        except (ValueError, OSError) as e:
+            out.append(Check("Fast model", False, str(e)))
+        else:
+            out.append(Check("Fast model", True, f"{fast.model.name}, control {fast.control_type}"))
+            files = files or fast
+    if files is None:
+        return out
     for name, path, fn in (
         ("text encoder", files.text_encoder, read_encoder_config),
         ("VAE", files.vae, check_vae),
@@ -120,6 +132,21 @@ def check_checkpoints(ckpt_dir) -> list:
         except (ValueError, OSError, KeyError) as e:
             out.append(Check(name, False, f"{path}: {e}"))
     return out
+
+
+def check_device(device: str) -> torch.device:
+    """doctor's --device: a CUDA device this machine could have (cuda or cuda:N); a ValueError naming it
+    otherwise, before any check runs."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type != "cuda":
+        raise ValueError(f"--device: doctor checks a CUDA device (cuda or cuda:N), got {device!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and dev.index is not None and dev.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..{count - 1})")
+    return dev
 
 
 def run_checks(ckpt_dir=None, device: str = "cuda") -> list:
@@ -138,6 +165,7 @@ def report(checks: list) -> str:
 
 
 def main(ckpt_dir=None, device: str = "cuda") -> int:
+    check_device(device)
     checks = run_checks(ckpt_dir, device)
     print(report(checks))
     return 0 if all(c.ok for c in checks) else 1

@@ -59,6 +59,11 @@ def _check_paths(src: ExpertSource, dst: Path, overwrite: bool) -> None:
     target = dst.resolve()
     if target == src_dir or src_dir.is_relative_to(target):
         raise ValueError(f"{dst}: the destination would replace the source {src.path}; give another folder")
+    if src.kind != "single_safetensors" and target.is_relative_to(src_dir):  # a folder's files are the source
+        raise ValueError(
+            f"{dst}: the destination is inside the source folder {src.path}; give a folder outside it "
+            f"(e.g. {src_dir.parent / (src_dir.name + '_nf4')})"
+        )
     if exists(dst):
         if not overwrite:
             raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")

@@ -9,12 +9,43 @@ import numpy as np
 import torch
 
 
-def check_output(path, overwrite: bool = False) -> Path:
+def _entry(path: Path) -> Path:
+    """Where a rename onto `path` lands: its folder resolved, its own name kept (a link is replaced, not followed)."""
+    return path.parent.resolve() / path.name
+
+
+def replaced_input(path, inputs) -> str | None:
+    """What of the run's `inputs` writing `path` would replace ('FLAG PATH', or 'a file of FLAG FOLDER'), or
+    None. `inputs`: (flag, path) pairs, files or folders (None skipped)."""
+    path = Path(path).expanduser()
+    for flag, given in inputs:
+        if given is None:
+            continue
+        source = Path(given).expanduser()
+        if source.is_dir():
+            root = source.resolve()
+            if path.exists() and (_entry(path).is_relative_to(root) or path.resolve().is_relative_to(root)):
+                return f"a file of {flag} {given}"
+        else:
+            same = path.exists() and source.exists() and os.path.samefile(path, source)
+            if same or _entry(path) == _entry(source):
+                return f"{flag} {given}"
+    return None
+
+
+def check_output(path, overwrite: bool = False, inputs=()) -> Path:
     """Refuse an output path that cannot be written, before any work: a folder, a missing or read-only
-    parent folder, or an existing file without `overwrite`. Returns the path."""
+    parent folder, or an existing file without `overwrite`; and, whatever `overwrite` says, anything but
+    a regular file (a device, a pipe) and any of the run's `inputs` ((flag, path) pairs, see
+    `replaced_input`). Returns the path."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; give a file name such as {path / 'out.mp4'}")
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} is not a regular file (a device, pipe or socket); give a file name")
+    source = replaced_input(path, inputs)
+    if source is not None:
+        raise ValueError(f"{path}: not replacing {source}, which this run also uses; give another file name")
     if path.exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; pass overwrite=True (CLI: --overwrite) to replace it")
     parent = path.parent

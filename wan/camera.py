@@ -78,6 +78,16 @@ def validate_intrinsics(intrinsics, name: str = "intrinsics") -> np.ndarray:
     return arr
 
 
+def check_intrinsics_rows(rows: int, pose_rows: int, name: str = "intrinsics", poses: str = "poses") -> None:
+    """Intrinsics that go with a pose path: at least one row per pose (extra rows unused, as upstream), or a
+    single row for every frame. `name`/`poses`: what the error calls the two arrays (file paths from a loader)."""
+    if rows != 1 and rows < pose_rows:
+        raise ValueError(
+            f"{name} has {rows} rows but {poses} has {pose_rows}: expected one intrinsics row per pose "
+            "(or a single row for every frame)"
+        )
+
+
 def validate_actions(actions, name: str = "actions", min_rows: int = 0) -> np.ndarray:
     """[N, 4] key columns (w, a, s, d or i, j, k, l), N >= min_rows."""
     expected = "of shape [N, 4] (one column per key)"
@@ -250,6 +260,7 @@ def camera_conditioning(
             )
         F = frame_num
     else:
+        check_intrinsics_rows(len(Ks), len(poses))
         F = used_frame_count(len(poses), frame_num)
         poses = poses[:F]
     lat_f = latent_frames(F)

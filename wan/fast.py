@@ -73,7 +73,7 @@ class FastConfig:
     timestep_index: tuple[int, ...] = (0, 179, 358, 679)
     seed: int = 42
     local_attn_size: int = -1  # latent frames kept in the self-attention cache (-1: all), sink included
-    sink_size: int = 0  # latent frames at the start never evicted (no effect with an unbounded cache)
+    sink_size: int = 0  # latent frames at the start the window never evicts (needs a window)
     kv_dtype: torch.dtype | None = None  # None: the model's compute dtype
 
     def validate(self) -> None:
@@ -100,6 +100,12 @@ class FastConfig:
         local = self.local_attn_size
         if isinstance(local, bool) or not isinstance(local, int) or (local != -1 and local < 1):
             raise ValueError(f"local_attn_size: expected -1 (unbounded) or a positive integer, got {local!r}")
+        if local == -1 and self.sink_size:
+            raise ValueError(
+                f"sink_size: a sink is what a window never evicts, and local_attn_size -1 keeps every frame; "
+                f"set local_attn_size to a window (>= sink_size + {CHUNK_FRAMES} = {self.sink_size + CHUNK_FRAMES}) "
+                f"or sink_size to 0, got sink_size {self.sink_size}"
+            )
         if local != -1 and local < self.sink_size + CHUNK_FRAMES:
             raise ValueError(
                 f"local_attn_size: must leave room for a {CHUNK_FRAMES}-frame chunk after the "

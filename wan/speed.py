@@ -18,6 +18,7 @@ Guide scale 1 always runs one forward per step (the cond prediction, exactly); n
 """
 
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -51,10 +52,10 @@ class SpeedOptions:
         pair = self.cache_threshold if isinstance(self.cache_threshold, (tuple, list)) else None
         values = pair if pair is not None else (self.cache_threshold,)
         if (pair is not None and len(pair) != 2) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in values
         ):
             raise ValueError(
-                f"cache_threshold must be a number >= 0 or a (low, high) pair of them, got {self.cache_threshold!r}"
+                f"cache_threshold must be a finite number >= 0 or a (low, high) pair of them, got {self.cache_threshold!r}"
             )
         if not (isinstance(self.lean_activations, bool) or self.lean_activations == "auto"):
             raise ValueError(f"lean_activations must be True, False or 'auto', got {self.lean_activations!r}")

@@ -51,6 +51,7 @@ from .wan.block_swap import resolve_swap_blocks
 from .wan.config import SampleConfig
 from .wan.fast import (
     CHUNK_FRAMES,
+    MAX_FRAME_NUM,
     FastConfig,
     FastSession,
     fast_frame_num,
@@ -58,6 +59,7 @@ from .wan.fast import (
 )
 from .wan.fast_camera import KeySteering
 from .wan.speed import SpeedOptions, SpeedStats
+from .wan.vae import DEFAULT_OVERLAP, check_tile
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = SampleConfig()
@@ -358,6 +360,7 @@ FLAGS = {
     "lora_merge": "--lora_merge",
     "ulysses_size": "--ulysses_size",
     "lean_activations": "--lean_activations",
+    "vae_tile": "--vae_tile",
 }
 
 
@@ -451,16 +454,31 @@ def camera_input(args, image_hw=None) -> camera_files.CameraInput | None:
     return camera_files.CameraInput.from_dir(args.action_path, args.action_string, args.allow_act2cam)
 
 
+# The most pixels --image may have (PIL's own decompression-bomb warning limit, ~9459x9459): checked on the
+# size in the file's header, before any pixel is decoded.
+MAX_IMAGE_PIXELS = 89_478_485
+
+
 def load_image(path: Path) -> torch.Tensor:
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
         raise FileNotFoundError(f"--image: {path} not found")
+    limit = f"at most {MAX_IMAGE_PIXELS:,} pixels (about 9459x9459) are read; downscale it"
     try:
-        with Image.open(path) as img:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below instead
+            img = Image.open(path)
+        with img:
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"--image: {path} is {img.width}x{img.height} pixels; {limit}")
             return i2v.image_to_tensor(img)
     except UnidentifiedImageError:
         raise ValueError(f"--image: {path} is not an image PIL can read") from None
+    except Image.DecompressionBombError:  # PIL's own refusal from the header, at twice our limit
+        raise ValueError(f"--image: {path} is too large by its header; {limit}") from None
 
 
 def vae_tile(text: str):
@@ -468,8 +486,12 @@ def vae_tile(text: str):
         return None if text == "none" else "auto"
     try:
         th, tw = (int(v) for v in text.split(","))
+        check_tile((th, tw), DEFAULT_OVERLAP)
     except ValueError:
-        raise ValueError(f"--vae_tile must be 'auto', 'none' or H,W in latent pixels, got {text!r}") from None
+        raise ValueError(
+            f"--vae_tile must be 'auto', 'none' or H,W in latent pixels, each more than the {DEFAULT_OVERLAP} "
+            f"neighbouring tiles share (e.g. 53,88; a tile as large as the frame is no tiling), got {text!r}"
+        ) from None
     return (th, tw)
 
 
@@ -658,11 +680,10 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
         )
     print(log.table())
     print(stats.summary())
-    if args.report:
-        args.report.write_text(json.dumps([r.as_dict() for r in log.records], indent=1))
     print(
         f"wrote {output} ({plan.frame_num} frames, {w}x{h}, {settings.sample_fps} fps, seed {settings.seed})"
     )
+    write_report(args.report, log)
     return 0
 
 
@@ -717,9 +738,12 @@ def run_quantize(args) -> int:
     return 0
 
 
-FAST_HELP = """LingBot-World-Fast: one causal DiT generates the clip chunk by chunk (3 latent frames = 9 video
+FAST_HELP = f"""LingBot-World-Fast: one causal DiT generates the clip chunk by chunk (3 latent frames = 9 video
 frames for the first chunk, 12 for each later one), 4 steps a chunk, no CFG, attending to a cache of
-what came before. Frames are decoded and written as each chunk finishes.
+what came before. Frames are decoded and encoded into the MP4 as each chunk finishes: RAM holds one
+chunk's frames, not the clip's. A clip is at most {MAX_FRAME_NUM} frames (--frame_num; the RoPE table's
+latent frames), --keys - included; what grows with --frame_num is set up front and in the predicted peak:
+the attention cache (bounded by --local_attn_size), the i2v condition and the first-frame encode's video.
 
 --ckpt_dir: the base-cam folder holding lingbot_world_fast/ (or lingbot_world_fast_nf4/ written by
 `lingbot.py quantize`), or the Fast model folder itself.
@@ -758,8 +782,8 @@ def add_fast_args(p: argparse.ArgumentParser):
         "--frame_num",
         type=int,
         default=None,
-        help=f"video frames (default {DEFAULTS.frame_num}); rounded down to whole chunks of 3 latent "
-        "frames (81 -> 81, 161 -> 153); with --keys - the most the clip may run",
+        help=f"video frames (default {DEFAULTS.frame_num}, at most {MAX_FRAME_NUM}); rounded down to whole "
+        "chunks of 3 latent frames (81 -> 81, 161 -> 153); with --keys - the most the clip may run",
     )
     p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=FastConfig.seed)
     p.add_argument("--sample_shift", type=float, default=FastConfig.shift)
@@ -845,6 +869,8 @@ def run_fast(args) -> int:
             args.kv_dtype,
         )
         swap = resolve_swap_blocks(args.swap_blocks, files.config.num_layers)
+        if args.frame_num is not None:
+            fast_latent_frames(args.frame_num)  # at least one chunk, at most the RoPE table
     except ValueError as err:
         raise ValueError(f"--{err}") from None
     image = load_image(args.image)
@@ -861,43 +887,58 @@ def run_fast(args) -> int:
     need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
     print(
         f"LingBot-World-Fast: {lat_f // CHUNK_FRAMES} chunks, {frames} frames at {w}x{h}; attention caches "
-        f"up to {need.caches / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB"
+        f"up to {need.caches / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB "
+        f"(host RAM {need.ram / memplan.GIB:.1f} GiB)"
     )
     if device.type == "cuda":
+        vram, ram = memplan.free_memory(device)
         issue = fast_run.fast_fit_issue(
             files,
             (lat_f, lat_h, lat_w),
             config,
             args.quantize or None,
             swap,
-            memplan.free_memory(device)[0],
+            vram,
             tile,
+            free_ram=None if ram is None else ram + memplan.PROCESS_RAM,  # this process's share is counted
         )
         if issue is not None:
             raise ValueError(f"memory: {issue}")
-    sink = fast_run.FrameSink(args.frames_dir, args.overwrite)
+    # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip
+    writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite)
+    sink = fast_run.FrameSink(args.frames_dir, args.overwrite, writer)
     log = monitor.PhaseLog()
     hooks = pipeline.Hooks(phase=log.phase)
     try:
-        _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks)
-    except torch.OutOfMemoryError:
-        error = memplan.oom_error(hooks.current, None)
-    except KeyboardInterrupt:
-        if sink.dir is not None and sink.count:
-            print(f"{sink.count} frames were written to {sink.dir} before the interrupt", file=sys.stderr)
-        raise
-    else:
-        error = None
-    if error is not None:  # outside the handler: the failed step's tensors are gone
-        monitor.free_memory()
-        raise error
-    with hooks.in_phase("write_mp4"):
-        video.write_mp4(sink.video(), output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite)
+        try:
+            _fast(
+                args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks
+            )
+        except torch.OutOfMemoryError:
+            error = memplan.oom_error(hooks.current, None)
+        except KeyboardInterrupt:
+            if sink.dir is not None and sink.count:
+                print(f"{sink.count} frames were written to {sink.dir} before the interrupt", file=sys.stderr)
+            raise
+        else:
+            error = None
+        if error is not None:  # outside the handler: the failed step's tensors are gone
+            monitor.free_memory()
+            raise error
+        with hooks.in_phase("write_mp4"):
+            writer.close()
+    finally:
+        writer.abort()  # no partial MP4 (nothing to do once closed)
     print(log.table())
-    if args.report:
-        args.report.write_text(json.dumps([r.as_dict() for r in log.records], indent=1))
     print(f"wrote {output} ({sink.count} frames, {w}x{h}, {fast_run.REAL_TIME_FPS} fps, seed {config.seed})")
+    write_report(args.report, log)
     return 0
+
+
+def write_report(path: Path | None, log: monitor.PhaseLog) -> None:
+    """--report: the phase table as JSON, written whole or not at all (the video is already written)."""
+    if path:
+        video.write_atomic(path, json.dumps([r.as_dict() for r in log.records], indent=1).encode(), True)
 
 
 def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):

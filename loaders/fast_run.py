@@ -19,6 +19,7 @@ from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
 from ..wan.config import SampleConfig
 from ..wan.fast import (
     CHUNK_FRAMES,
+    LATENT_CHANNELS,
     FastConfig,
     FastSession,
     fast_frame_num,
@@ -31,7 +32,16 @@ from .camera_files import CameraInput
 from .experts import ExpertSwitcher
 from .fast_checkpoint import FastFiles
 from .formats import ExpertSource
-from .planner import decode_vram, expert_vram
+from .planner import (
+    DECODE_MIN_TILE,
+    ENCODE_RAM_BASE,
+    ENCODE_RAM_PER_PIXEL_FRAME,
+    PROCESS_RAM,
+    decode_vram,
+    encode_tile,
+    encode_vram,
+    expert_vram,
+)
 
 KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
 REAL_TIME_FPS = 16  # the video's frame rate: a chunk produced faster than this keeps up with playback
@@ -251,17 +261,19 @@ def run_chunks(session: FastSession, cameras: Iterable, decoder, on_chunk: Calla
 
 
 class FrameSink:
-    """Decoded chunks -> uint8 frames kept for the MP4, and written as PNGs to `frames_dir` as they come
+    """Decoded chunks -> uint8 frames handed to `writer` as they come (a `video.Mp4Writer` encodes them at
+    once, so an endless run holds one chunk's frames, not the clip's) and written as PNGs to `frames_dir`
     (each PNG written to a temporary name and renamed, so a viewer never reads half a file)."""
 
-    def __init__(self, frames_dir: Path | None = None, overwrite: bool = False):
-        self.frames: list[torch.Tensor] = []
+    def __init__(self, frames_dir: Path | None = None, overwrite: bool = False, writer=None):
+        self.writer = writer
         self.count = 0
         self.dir = None if frames_dir is None else check_frames_dir(frames_dir, overwrite)
 
     def add(self, video: torch.Tensor) -> None:
         frames = frames_to_uint8(video)
-        self.frames.append(frames)
+        if self.writer is not None:
+            self.writer.add(frames)
         if self.dir is not None:
             from PIL import Image
 
@@ -271,9 +283,6 @@ class FrameSink:
                 Image.fromarray(frame).save(tmp)
                 tmp.replace(target)
         self.count += len(frames)
-
-    def video(self) -> torch.Tensor:
-        return torch.cat(self.frames) if self.frames else torch.empty(0, 0, 0, 3, dtype=torch.uint8)
 
 
 def check_frames_dir(path, overwrite: bool = False) -> Path:
@@ -301,29 +310,50 @@ def check_frames_dir(path, overwrite: bool = False) -> Path:
 FAST_CHUNK_PER_TOKEN = int(1.27 * (1 << 30)) // 4524
 
 
+# Host RAM of the streamed MP4 per video pixel: one chunk's uint8 frames (12 x 3 B) and libx264's look-ahead
+# and reference frames in YUV 4:2:0 (~40 x 1.5 B); the clip's frames are not kept.
+MP4_RAM_PER_PIXEL = 100
+
+
 @dataclass(frozen=True)
 class FastMemory:
     model: int  # the DiT on the device (swapped blocks excluded, two in flight)
     caches: int  # self- and cross-attention K/V at their largest
     work: int  # the larger of a chunk's forward and a chunk's VAE decode (they do not overlap)
+    condition: int = 0  # the i2v condition of the whole clip, kept on the device through the loop
+    encode: int = 0  # the first-frame encode, before the model loads: the whole clip's video on the device
+    ram: int = 0  # host RAM at its largest: the encode's input video, or the loop with the MP4 streamed
+
+    @property
+    def loop(self) -> int:
+        return self.model + self.caches + self.work + self.condition
 
     @property
     def peak(self) -> int:
-        return self.model + self.caches + self.work
+        return max(self.loop, self.encode)
 
 
 def fast_memory(
     files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int, tile=None
 ) -> FastMemory:
-    """Predicted peak VRAM of a Fast run's chunk loop (text encode and first-frame encode come before the
-    model loads and are smaller)."""
+    """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
+    Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
+    encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept."""
     cfg = files.config
     lat_f, lat_h, lat_w = lat_shape
+    frames, pixels = (lat_f - 1) * 4 + 1, lat_h * lat_w * 64
     tokens = CHUNK_FRAMES * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(device_bytes(files.source, quantize), cfg.num_layers, swap)
-    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, tile if isinstance(tile, tuple) else None, chunked=True)
+    fixed = tile if isinstance(tile, tuple) else None
+    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, fixed, chunked=True)
     work = max(tokens * FAST_CHUNK_PER_TOKEN, decode)
-    return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work)
+    condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
+    # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
+    least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
+    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
+    encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
+    ram = int(max(encode_ram, PROCESS_RAM + MP4_RAM_PER_PIXEL * pixels))
+    return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work, condition, encode, ram)
 
 
 def fast_fit_issue(
@@ -334,11 +364,19 @@ def fast_fit_issue(
     swap: int,
     free_vram: int | None,
     tile=None,
+    free_ram: int | None = None,
 ) -> str | None:
-    """None when the run fits `free_vram` (None: unknown, e.g. the CPU); else one message with the
-    predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block swap)."""
+    """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
+    with the predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block
+    swap)."""
     gib = 1 << 30
     need = fast_memory(files, lat_shape, config, quantize, swap, tile)
+    frames = (lat_shape[0] - 1) * 4 + 1
+    if free_ram is not None and need.ram > free_ram:
+        return (
+            f"predicted host RAM {need.ram / gib:.1f} GiB (the first-frame encode's input video of {frames} "
+            f"frames) is more than the {free_ram / gib:.1f} GiB available; fewer frames or a smaller --size"
+        )
     if free_vram is None or need.peak <= free_vram:
         return None
     options = []
@@ -364,6 +402,7 @@ def fast_fit_issue(
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"
     return (
         f"predicted peak {need.peak / gib:.1f} GiB (model {need.model / gib:.1f}, attention caches "
-        f"{need.caches / gib:.1f}, chunk work {need.work / gib:.1f}) is more than the {free_vram / gib:.1f} GiB "
-        f"free{hint}"
+        f"{need.caches / gib:.1f}, chunk work {need.work / gib:.1f}, condition {need.condition / gib:.1f}; "
+        f"first-frame encode of {frames} frames {need.encode / gib:.1f}) is more than the "
+        f"{free_vram / gib:.1f} GiB free{hint}"
     )

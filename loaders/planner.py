@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from ..wan import i2v
 from ..wan.config import DiTConfig
 from ..wan.dit import FFN_CHUNK, LEAN_CHUNK, ROPE_CHUNK
-from ..wan.vae import DEFAULT_OVERLAP, pick_tile, tile_spans
+from ..wan.vae import DEFAULT_OVERLAP, check_tile, pick_tile, tile_spans
 from .request import RequestError
 
 GIB = 1 << 30
@@ -128,6 +128,17 @@ class MemoryRequest:
     # or 'auto': only when both fit the card together (subprocess mode, one rank, nothing swapped)
     t5_overlap: bool | str = False
     ulysses_size: int = 1  # ranks splitting each forward's tokens (sequence parallel); figures are per rank
+
+    def __post_init__(self):
+        if self.vae_tile is not None and self.vae_tile != "auto":
+            try:
+                check_tile(self.vae_tile, DEFAULT_OVERLAP)
+            except ValueError:
+                raise RequestError(
+                    "vae_tile",
+                    f"expected None, 'auto' or (tile_h, tile_w) latent pixels, each more than the "
+                    f"{DEFAULT_OVERLAP} neighbouring tiles share, got {self.vae_tile!r}",
+                ) from None
 
 
 @dataclass(frozen=True)

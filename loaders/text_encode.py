@@ -250,6 +250,7 @@ def encode_prompts(
     _check_prompts(prompts)
     encoder_path = check_file(encoder_path, "text encoder file").absolute()
     source = _source(tokenizer_path, encoder_path)
+    sweep_stale_work_dirs()  # at every start, whether or not a child runs this time
 
     cache = EmbeddingCache(cache_dir if cache_dir is not None else default_cache_dir()) if use_cache else None
     key_fields = dict(
@@ -402,10 +403,25 @@ def _lock(path: Path):
     return f
 
 
+def _owner_running(folder: Path) -> bool:
+    """Whether the process named in `folder` (lingbot_t5_<pid>_...) runs and is the one that made it: a
+    process of that pid started after the folder last changed (1 s of slack: start times are counted
+    from a boot time in whole seconds) is another one that reuses the pid."""
+    import psutil
+
+    try:
+        proc = psutil.Process(int(folder.name[len(WORK_PREFIX) :].split("_", 1)[0]))
+        started = proc.create_time()
+        return proc.status() != psutil.STATUS_ZOMBIE and started <= folder.stat().st_mtime + 1.0
+    except (ValueError, OSError, psutil.Error):
+        return False  # no such process (a pid from another pid namespace keeps its lock: checked next)
+
+
 def sweep_stale_work_dirs(tmp_dir=None, min_age_s: float = 60.0) -> list[Path]:
     """Delete temp folders left by encoders whose parent process died without cleaning up (killed
-    with SIGKILL, or by a SIGTERM nobody handled). A folder counts as stale when nobody holds its
-    lock; folders younger than `min_age_s` without a lock file are being set up and stay."""
+    with SIGKILL, or by a SIGTERM nobody handled). A folder is stale only when the process named in it
+    is gone and nobody holds its lock; folders younger than `min_age_s` without a lock file are being set
+    up and stay."""
     removed = []
     for folder in Path(tmp_dir or tempfile.gettempdir()).glob(f"{WORK_PREFIX}*_*"):
         try:
@@ -413,6 +429,8 @@ def sweep_stale_work_dirs(tmp_dir=None, min_age_s: float = 60.0) -> list[Path]:
         except OSError:
             continue
         if not folder.is_dir() or (not (folder / LOCK_NAME).is_file() and age < min_age_s):
+            continue
+        if _owner_running(folder):
             continue
         held = _lock(folder / LOCK_NAME) if (folder / LOCK_NAME).is_file() else True
         if held is None:
@@ -450,7 +468,6 @@ def encode_in_subprocess(
     _check_prompts(prompts)
     encoder_path = check_file(encoder_path, "text encoder file").absolute()
     source = _source(tokenizer, encoder_path)
-    sweep_stale_work_dirs()
     work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}_")).absolute()
     lock, proc = None, None
     try:

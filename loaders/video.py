@@ -1,5 +1,6 @@
-"""MP4 output through PyAV: written to a temporary file beside the target, then renamed into place,
-so an interrupted run leaves no partial file and an existing file is never overwritten by accident."""
+"""Output files written atomically: to a temporary file beside the target, then renamed into place, so an
+interrupted or failed write leaves no partial file and an existing file is never overwritten by accident.
+MP4s through PyAV, encoded as the frames come (`Mp4Writer`), so a long video holds one batch in memory."""
 
 import os
 from fractions import Fraction
@@ -56,32 +57,142 @@ def check_output(path, overwrite: bool = False, inputs=()) -> Path:
     return path
 
 
-def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int = 18) -> Path:
-    """frames: uint8 [F, H, W, 3] (tensor or array). Returns the written path."""
-    path = check_output(path, overwrite)
-    array = frames.numpy() if isinstance(frames, torch.Tensor) else np.asarray(frames)
+class AtomicFile:
+    """`with AtomicFile(path) as f:` write to `f.tmp` (a temporary name beside `path`); leaving the block
+    renames it into place, an error or interrupt deletes it. An OSError on the way (a full disk, say)
+    comes out as one message naming `path`, not the temporary name."""
+
+    def __init__(self, path, overwrite: bool = False, suffix: str = ""):
+        self.path = check_output(path, overwrite)
+        self.overwrite = overwrite
+        self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial{suffix}")
+
+    def __enter__(self) -> "AtomicFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+            if isinstance(exc, OSError):
+                raise self.named(exc) from None
+
+    def commit(self) -> None:
+        try:
+            if self.path.exists() and not self.overwrite:  # appeared while we were writing
+                raise FileExistsError(f"{self.path} appeared while writing; not overwriting it")
+            os.replace(self.tmp, self.path)
+        except OSError as err:
+            raise self.named(err) from None
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+    def named(self, err: OSError) -> OSError:
+        """`err` as one message naming the file (a full disk's own message names none, or the temporary)."""
+        if str(self.path) in str(err):
+            return err
+        named = OSError(f"{self.path} could not be written: {err.strerror or err}")
+        named.errno = err.errno
+        return named
+
+
+def write_atomic(path, data: bytes, overwrite: bool = False) -> Path:
+    """`data` as the file `path`, whole or not at all (see AtomicFile). Returns the path."""
+    with AtomicFile(path, overwrite) as out:
+        out.tmp.write_bytes(data)
+    return out.path
+
+
+def _check_frames(array: np.ndarray) -> None:
     if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3:
         raise ValueError(f"frames: expected uint8 [F, H, W, 3], got {array.dtype} {list(array.shape)}")
     if array.shape[1] % 2 or array.shape[2] % 2:
         raise ValueError(f"frames: H.264 needs even height and width, got {array.shape[1]}x{array.shape[2]}")
-    import av  # imported here so the rest of the pack works where PyAV is absent
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial.mp4")
-    try:
-        with av.open(str(tmp), "w") as container:
-            stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000))
-            stream.width, stream.height = array.shape[2], array.shape[1]
-            stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": str(crf)}
+
+class Mp4Writer:
+    """An MP4 encoded batch by batch as frames come (`add`), finished and renamed into place by `close()`;
+    `abort()`, or an error inside a `with` block, leaves nothing. The output is the same file
+    `write_mp4` makes from all the frames at once."""
+
+    def __init__(self, path, fps: float = 16, overwrite: bool = False, crf: int = 18):
+        self._file = AtomicFile(path, overwrite, suffix=".mp4")
+        self.path, self.fps, self.crf = self._file.path, fps, crf
+        self._container = self._stream = None
+
+    def __enter__(self) -> "Mp4Writer":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def add(self, frames) -> None:
+        """frames: uint8 [F, H, W, 3] (tensor or array), the same H and W every time."""
+        array = np.ascontiguousarray(frames.numpy() if isinstance(frames, torch.Tensor) else frames)
+        _check_frames(array)
+        import av  # imported here so the rest of the pack works where PyAV is absent
+
+        try:
+            if self._container is None:
+                self._container = av.open(str(self._file.tmp), "w")
+                stream = self._container.add_stream(
+                    "libx264", rate=Fraction(self.fps).limit_denominator(1000)
+                )
+                stream.width, stream.height = array.shape[2], array.shape[1]
+                stream.pix_fmt = "yuv420p"
+                stream.options = {"crf": str(self.crf)}
+                self._stream = stream
+            elif (array.shape[1], array.shape[2]) != (self._stream.height, self._stream.width):
+                raise ValueError(
+                    f"frames: {array.shape[2]}x{array.shape[1]} after {self._stream.width}x"
+                    f"{self._stream.height}; every frame of one video has the same size"
+                )
             for frame in array:
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-            container.mux(stream.encode())
-        if path.exists() and not overwrite:  # appeared while we were encoding
-            raise FileExistsError(f"{path} appeared while writing; not overwriting it")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+                self._container.mux(self._stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        except BaseException as err:
+            raise self._failed(err) from None
+
+    def close(self) -> Path:
+        """Flush the encoder and rename the file into place. Returns the path."""
+        if self._container is None:
+            raise ValueError(f"{self.path}: no frames were given; no video written")
+        try:
+            self._container.mux(self._stream.encode())
+            self._container.close()
+            self._container = None
+        except BaseException as err:
+            raise self._failed(err) from None
+        self._file.commit()
+        return self.path
+
+    def abort(self) -> None:
+        """Stop and delete the temporary file (nothing is left)."""
+        if self._container is not None:
+            container, self._container = self._container, None
+            try:
+                container.close()
+            except Exception:  # noqa: BLE001 - the file is deleted next whatever it holds
+                pass
+        self._file.discard()
+
+    def _failed(self, err: BaseException) -> BaseException:
+        """Abort; the error to raise (an OSError naming the file)."""
+        self.abort()
+        return self._file.named(err) if isinstance(err, OSError) else err
+
+
+def write_mp4(frames, path, fps: float = 16, overwrite: bool = False, crf: int = 18) -> Path:
+    """frames: uint8 [F, H, W, 3] (tensor or array). Returns the written path."""
+    with Mp4Writer(path, fps, overwrite, crf) as writer:
+        writer.add(frames)
+    return writer.path
 
 
 def read_mp4_info(path) -> dict:

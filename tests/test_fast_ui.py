@@ -1,6 +1,7 @@
 """LingBot-World-Fast's front ends on a tiny Fast folder: the CLI `fast` command (whole path, keys steering
 from a file and from stdin, bad input), the steering camera's causality, and the ComfyUI nodes."""
 
+import functools
 import io
 import os
 import sys
@@ -318,17 +319,17 @@ def test_memory_check_names_what_would_fit(fast_ckpt):
     from lingbot_world.wan.fast import FastConfig
 
     files = resolve_fast_dir(fast_ckpt)
-    shape = (30, 58, 104)  # 464x832, 30 latent frames: the caches dominate
-    full = fast_run.fast_memory(files, shape, FastConfig(), None, 0)
-    window = fast_run.fast_memory(files, shape, FastConfig(local_attn_size=6, sink_size=3), None, 0)
-    fp8 = fast_run.fast_memory(files, shape, FastConfig(kv_dtype=torch.float8_e4m3fn), None, 0)
-    swapped = fast_run.fast_memory(files, shape, FastConfig(), None, files.config.num_layers)
+    shape = (30, 58, 104)  # 464x832, 30 latent frames: the caches dominate ('auto' tiles the encode)
+    full = fast_run.fast_memory(files, shape, FastConfig(), None, 0, "auto")
+    window = fast_run.fast_memory(files, shape, FastConfig(local_attn_size=6, sink_size=3), None, 0, "auto")
+    fp8 = fast_run.fast_memory(files, shape, FastConfig(kv_dtype=torch.float8_e4m3fn), None, 0, "auto")
+    swapped = fast_run.fast_memory(files, shape, FastConfig(), None, files.config.num_layers, "auto")
     assert window.caches < fp8.caches < full.caches
     assert swapped.model <= full.model and swapped.caches == full.caches
-    assert full.peak == full.model + full.caches + full.work
-    assert fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, full.peak) is None
-    assert fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, None) is None  # CPU: nothing to check
-    issue = fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, full.peak - 1)
-    assert "predicted peak" in issue and "--local_attn_size" in issue and "--kv_dtype fp8" in issue
-    hopeless = fast_run.fast_fit_issue(files, shape, FastConfig(), None, 0, 1)
-    assert hopeless.endswith("fewer frames or a smaller --size")
+    assert full.peak == full.model + full.caches + full.work + full.condition > full.encode
+    issue = functools.partial(fast_run.fast_fit_issue, files, shape, FastConfig(), None, 0, tile="auto")
+    assert issue(full.peak) is None
+    assert issue(None) is None  # CPU: nothing to check
+    message = issue(full.peak - 1)
+    assert "predicted peak" in message and "--local_attn_size" in message and "--kv_dtype fp8" in message
+    assert issue(1).endswith("fewer frames or a smaller --size")

@@ -41,6 +41,8 @@ from .schedulers import sampling_sigmas
 CHUNK_FRAMES = 3  # latent frames per chunk (upstream hard-codes 3)
 ROPE_FRAMES = 1024  # rows of the RoPE tables: the longest clip in latent frames
 LATENT_CHANNELS = 16
+# the longest clip in video frames: whole chunks within the RoPE table (1023 latent frames)
+MAX_FRAME_NUM = (ROPE_FRAMES - ROPE_FRAMES % CHUNK_FRAMES - 1) * VAE_STRIDE[0] + 1
 
 
 def _positive_int(value, name: str) -> int:
@@ -58,6 +60,11 @@ def fast_latent_frames(frame_num: int) -> int:
         raise ValueError(
             f"frame_num: Fast needs at least {(CHUNK_FRAMES - 1) * VAE_STRIDE[0] + 1} frames "
             f"(one chunk of {CHUNK_FRAMES} latent frames), got {frame_num}"
+        )
+    if lat_f > ROPE_FRAMES:
+        raise ValueError(
+            f"frame_num: Fast makes at most {MAX_FRAME_NUM} frames ({fast_latent_frames(MAX_FRAME_NUM)} latent "
+            f"frames: its RoPE table has {ROPE_FRAMES} positions), got {frame_num}"
         )
     return lat_f
 

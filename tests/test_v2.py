@@ -7,27 +7,38 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from lingbot_world import cli
 from lingbot_world.loaders import fast_checkpoint as FC
 from lingbot_world.loaders import fast_run
 from lingbot_world.loaders import formats as F
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.camera_files import CameraInput
+from lingbot_world.loaders.stream import load_expert
+from lingbot_world.loaders.text_encode import encode_prompts
+from lingbot_world.loaders.vae import load_vae
+from lingbot_world.loaders.video import read_mp4_info
 from lingbot_world.wan import i2v
 from lingbot_world.wan.config import CHUNKED_KINDS, V2_1_3B
 from lingbot_world.wan.dit import WanModel
-from lingbot_world.wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
+from lingbot_world.wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames, generate_fast
+from lingbot_world.wan.vae import to_comfy_latent
+from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load_file
 from test_fast import record_forwards
+from test_request import _fake_comfy, node_inputs
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v2.safetensors"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "00"
 # Upstream in fp32 vs ours in fp32: only accumulation order differs (as for v1 Fast's golden file).
 TOL = dict(rtol=5e-6, atol=5e-6)
 KIND = {"14b": "v2-14b", "1.3b": "v2-1.3b"}
+SIZE = (6, 14, 48, 112)  # examples/00's 1280x720 image at 64*112
 
 
 @functools.cache
@@ -257,3 +268,163 @@ def test_diffusers_repack_config_names_the_chunk(tmp_path):
         config = {"_class_name": "CausalLingBotWorldTransformer3DModel", "num_frames_per_block": per_block}
         (folder / F.CONFIG).write_text(json.dumps(config))
         assert FC.detect_kind(F.detect_expert_format(folder, require_config=False)).name == kind
+
+
+def test_quantize_writes_v2_nf4_folders_that_keep_their_kind(tmp_path, nf4_ckpt, capsys):
+    """`lingbot.py quantize` on the v2 layouts: the 14B folder's transformers/ -> transformers_nf4/ (then
+    preferred by the 14B folder), the 1.3B folder -> an NF4 folder that still says it is the 1.3B."""
+    repo = v2_14b_repo(tmp_path / "v2-14b", nf4_ckpt)
+    assert cli.main(["quantize", str(repo), str(repo / FC.V2_NF4_DIR), "--device", "cpu"]) == 0
+    meta = json.loads((repo / FC.V2_NF4_DIR / F.NF4_META).read_text())
+    assert meta[FC.KIND_KEY] == "v2-14b" and meta["source"]["subfolder"] == FC.V2_DIR
+    files = FC.resolve_fast_dir(repo)
+    assert files.model == repo / FC.V2_NF4_DIR and files.quantized and files.kind.name == "v2-14b"
+    small, dst = S.write_v2_1_3b(tmp_path / "v2-1.3b", CFG, seed=4), tmp_path / "v2-1.3b-nf4"
+    assert cli.main(["quantize", str(small), str(dst), "--device", "cpu"]) == 0
+    files = FC.resolve_fast_dir(dst, assets_dir=repo)
+    assert files.quantized and files.kind.name == "v2-1.3b" and files.config == CFG
+    # without the recorded kind an NF4 folder of a tiny model is v1 Fast's; the name still picks it
+    (dst / F.NF4_META).unlink()
+    assert FC.resolve_fast_dir(dst, assets_dir=repo).kind.name == "fast"
+    assert FC.resolve_fast_dir(dst, "v2-1.3b", repo).kind.name == "v2-1.3b"
+
+
+# --- front ends ------------------------------------------------------------------------------------
+
+
+def fast_args(ckpt, example, out, *extra):
+    return [
+        "fast",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(example / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--size",
+        "64*112",
+        "--device",
+        "cpu",
+        "--t5_mode",
+        "inprocess",
+        "--output",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.mark.usefixtures("embedding_cache")
+def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tmp_path, capsys, monkeypatch):
+    """`fast --ckpt_dir <1.3B> --assets_dir <14B>` -> an MP4 of whole 4-frame chunks (13 + 16 frames), its
+    latent generate_fast's with the 1.3B's settings (shift 5, window 18 / 6, steps 0/250/500/750); the
+    Fast nodes on the same folder with their model defaults give the same latent."""
+    out, saved = tmp_path / "o.mp4", tmp_path / "o.latent"
+    extra = ["--assets_dir", str(repo14), "--action_path", str(shipped_example), "--frame_num", "33"]
+    assert cli.main(fast_args(repo13, shipped_example, out, *extra, "--save_latent", str(saved))) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "LingBot-World 2.0 1.3B causal-fast: 2 chunks, 29 frames at 112x48, window 18 / sink 6, shift 5"
+        in printed
+    )
+    assert "frames: 33 asked, 29 made (8 latent frames, whole chunks of 4)" in printed
+    assert read_mp4_info(out) == {"frames": 29, "width": 112, "height": 48, "fps": 16.0}
+    got = load_file(str(saved))["latent_tensor"]
+
+    files = FC.resolve_fast_dir(repo13, assets_dir=repo14)
+    with Image.open(shipped_example / "image.jpg") as img:
+        image = i2v.image_to_tensor(img)
+    (context,) = encode_prompts(
+        files.text_encoder, ["a castle"], tokenizer_path=files.tokenizer, mode="inprocess"
+    )
+    y = fast_run.condition(image, load_vae(files.vae).encode, 29, SIZE, "cpu")
+    cam, _ = fast_run.camera_tensor(CameraInput.from_dir(shipped_example), "cam", 33, SIZE, "cpu", 4)
+    config = FastConfig.for_kind(CHUNKED_KINDS["v2-1.3b"])
+    want = generate_fast(load_expert(files.source, "cpu"), context, y, cam, (8, *SIZE[:2]), config, "cpu")
+    assert torch.equal(got, to_comfy_latent(want))
+    # v1 Fast's settings on the same model give another latent: the kind's settings are what ran
+    v1 = FastConfig.for_kind(CHUNKED_KINDS["v2-1.3b"], shift=10.0, timestep_index=FastConfig.timestep_index)
+    other = generate_fast(load_expert(files.source, "cpu"), context, y, cam, (8, *SIZE[:2]), v1, "cpu")
+    assert not torch.equal(other, want)
+
+    nodes = _fake_comfy(monkeypatch, repo14, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load("-", False, 0.0, ckpt_dir=str(repo13))
+    assert model.kind.name == "v2-1.3b"
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    sampler = nodes.LingBotFastSampler()
+    defaults = {k: v[1]["default"] for k, v in sampler.INPUT_TYPES()["required"].items() if k in SETTINGS}
+    assert sampler.VALIDATE_INPUTS(
+        local_attn_size=defaults["local_attn_size"], sink_size=defaults["sink_size"]
+    )
+    (latent,) = sampler.sample(
+        model,
+        vae,
+        image,
+        "max_area",
+        "64*112",
+        832,
+        480,
+        33,
+        42,
+        *defaults.values(),
+        "bf16",
+        camera=camera,
+        text=text,
+    )
+    assert torch.equal(latent["samples"], got)
+    (model,) = nodes.LingBotFastLoader().load("-", False, 0.0, ckpt_dir=str(repo14))
+    assert model.kind.name == "v2-14b" and model.source.path == repo14 / FC.V2_DIR
+
+
+SETTINGS = ("shift", "local_attn_size", "sink_size")
+
+
+def test_fast_command_runs_the_14b_folder(repo14, shipped_example, tmp_path, capsys):
+    out = tmp_path / "big.mp4"
+    assert cli.main(fast_args(repo14, shipped_example, out, "--frame_num", "13", "--sink_size", "2")) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "LingBot-World 2.0 14B causal-fast: 1 chunks, 13 frames at 112x48, window 18 / sink 2, shift 10"
+        in printed
+    )
+    assert read_mp4_info(out)["frames"] == 13
+
+
+def test_fast_nodes_list_v2_folders(repo14, tmp_path, monkeypatch):
+    nodes = _fake_comfy(monkeypatch, repo14, tmp_path)
+    rel = [
+        "lingbot-world-v2-14b-causal-fast/transformers/model-00001-of-00008.safetensors",
+        "lingbot-world-v2-1.3b-causal-fast/model-00006-of-00006.safetensors",
+        "lingbot_world_fast/diffusion_pytorch_model-00001-of-00016.safetensors",
+        "loras/style.safetensors",
+    ]
+    monkeypatch.setattr(sys.modules["folder_paths"], "get_filename_list", lambda kind: rel)
+    assert sys.modules["lingbot_world.nodes.fast"].fast_choices() == [
+        "lingbot-world-v2-1.3b-causal-fast",
+        "lingbot-world-v2-14b-causal-fast/transformers",
+        "lingbot_world_fast",
+    ]
+    assert "v2-1.3b" in nodes.LingBotFastLoader.INPUT_TYPES()["optional"]["model_kind"][0]
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("missing-shard", "missing or unusable: {folder}/model-00002-of-00006.safetensors"),
+        ("no-assets", "holds only the DiT; give the text encoder"),
+        ("short", "--frame_num: Fast needs at least 13 frames (one chunk of 4 latent frames), got 9"),
+    ],
+)
+def test_bad_v2_input_exits_2_with_one_line(case, needle, repo14, shipped_example, tmp_path, capsys):
+    folder = S.write_v2_1_3b(tmp_path / "small", CFG, seed=4)
+    extra = ["--assets_dir", str(repo14)]
+    if case == "missing-shard":
+        (folder / "model-00002-of-00006.safetensors").unlink()
+    elif case == "no-assets":
+        extra = []
+    else:
+        extra += ["--frame_num", "9"]
+    out = tmp_path / "never.mp4"
+    assert cli.main(fast_args(folder, shipped_example, out, *extra)) == 2
+    err = capsys.readouterr().err
+    assert needle.format(folder=folder) in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()

@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..wan.config import CHUNKED_KINDS, ChunkedKind, DiTConfig
+from ..wan.config import A14B, CHUNKED_KINDS, V2_1_3B, ChunkedKind, DiTConfig
 from .checkpoints import TEXT_ENCODER_NAMES, VAE_NAMES, find_assets
 from .formats import (
     CONFIG,
@@ -148,9 +148,10 @@ def layout_kind(folder: Path) -> str | None:
 
 
 def _size_name(cfg: DiTConfig) -> str | None:
-    """The released size this architecture is, if it is one ('14B' / '1.3B')."""
-    sizes = {(k.dit.dim, k.dit.num_layers): n.removeprefix("v2-").upper() for n, k in CHUNKED_KINDS.items()}
-    return sizes.get((cfg.dim, cfg.num_layers))
+    """The released size this architecture is, if it is one ('14B': v1 Fast and v2 14B; '1.3B')."""
+    return {(A14B.dim, A14B.num_layers): "14B", (V2_1_3B.dim, V2_1_3B.num_layers): "1.3B"}.get(
+        (cfg.dim, cfg.num_layers)
+    )
 
 
 def _folder(source: ExpertSource) -> Path:

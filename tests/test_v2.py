@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from lingbot_world import cli
@@ -23,9 +24,12 @@ from lingbot_world.loaders.text_encode import encode_prompts
 from lingbot_world.loaders.vae import load_vae
 from lingbot_world.loaders.video import read_mp4_info
 from lingbot_world.wan import i2v
+from lingbot_world.wan.actions import actions_to_poses
+from lingbot_world.wan.camera_presets import preset_intrinsics
 from lingbot_world.wan.config import CHUNKED_KINDS, V2_1_3B
 from lingbot_world.wan.dit import WanModel
 from lingbot_world.wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames, generate_fast
+from lingbot_world.wan.fast_camera import KeySteering, chunk_key_rows, keys_camera, parse_keys_line
 from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
 from safetensors import safe_open
@@ -378,15 +382,38 @@ def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tm
 SETTINGS = ("shift", "local_attn_size", "sink_size")
 
 
-def test_fast_command_runs_the_14b_folder(repo14, shipped_example, tmp_path, capsys):
+def test_fast_command_steers_the_14b_folder_with_keys(repo14, shipped_example, tmp_path, capsys):
+    """The 14B folder with a keys file: 2 lines -> 2 chunks of 4 latent frames (13 + 16 frames), the
+    documented window with an explicit sink."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("w\nwj\n")
     out = tmp_path / "big.mp4"
-    assert cli.main(fast_args(repo14, shipped_example, out, "--frame_num", "13", "--sink_size", "2")) == 0
+    assert cli.main(fast_args(repo14, shipped_example, out, "--keys", str(keys), "--sink_size", "2")) == 0
     printed = capsys.readouterr().out
     assert (
-        "LingBot-World 2.0 14B causal-fast: 1 chunks, 13 frames at 112x48, window 18 / sink 2, shift 10"
+        "LingBot-World 2.0 14B causal-fast: 2 chunks, 29 frames at 112x48, window 18 / sink 2, shift 10"
         in printed
     )
-    assert read_mp4_info(out)["frames"] == 13
+    assert read_mp4_info(out)["frames"] == 29
+
+
+def test_keys_steering_takes_4_frame_chunks():
+    """Chunk k's camera from the keys of chunks 0..k, 4 latent frames a chunk: 12 key rows for chunk 0
+    (13 frames), then 16; latent frame i sits on act2cam's pose at video frame 4i."""
+    intr = preset_intrinsics(np.ones(1), SIZE[2:])
+    lines = ["w", "wj", "none"]
+    full = keys_camera(lines, SIZE, intr, chunk=4)
+    assert full.shape[2] == 12
+    steering = KeySteering(SIZE, intr, chunk=4)
+    for k, line in enumerate(lines):
+        steering.add(parse_keys_line(line))
+        assert torch.equal(steering.camera(k), full[:, :, 4 * k : 4 * k + 4])
+    assert [chunk_key_rows(k, 4) for k in range(3)] == [12, 16, 16]
+    rows = np.repeat(
+        np.array([[1, 0, 0, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0], [0] * 8], np.float32), [12, 16, 16], 0
+    )
+    poses = actions_to_poses(rows[:, :4], rows[:, 4:])
+    np.testing.assert_allclose(steering.latent_poses().numpy(), poses[::4], atol=1e-6)
 
 
 def test_fast_nodes_list_v2_folders(repo14, tmp_path, monkeypatch):

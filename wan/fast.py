@@ -71,6 +71,9 @@ def fast_frame_num(frame_num: int, chunk: int = CHUNK_FRAMES) -> int:
 
 @dataclass(frozen=True)
 class FastConfig:
+    """One chunked run's settings. The defaults are v1 Fast's whole set (chunk 3, its step indices, upstream's
+    CLI window); take another model's from `FastConfig.for_kind`, not by changing the chunk alone."""
+
     shift: float = 10.0
     timestep_index: tuple[int, ...] = (0, 179, 358, 679)
     seed: int = 42

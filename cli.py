@@ -40,7 +40,7 @@ from .loaders import (
 )
 from .loaders import planner as memplan
 from .loaders.experts import ExpertSwitcher
-from .loaders.fast_checkpoint import resolve_fast_dir
+from .loaders.fast_checkpoint import KINDS, MODEL_CHOICES, resolve_fast_dir
 from .loaders.latent_file import save_comfy_latent
 from .loaders.lora import LoraSpec, parse_lora_spec
 from .loaders.request import RequestError, check_lora_merge, check_text_dim, plan_request
@@ -50,12 +50,11 @@ from .wan import i2v, pipeline
 from .wan.block_swap import resolve_swap_blocks
 from .wan.config import SampleConfig
 from .wan.fast import (
-    CHUNK_FRAMES,
-    MAX_FRAME_NUM,
     FastConfig,
     FastSession,
     fast_frame_num,
     fast_latent_frames,
+    max_frame_num,
 )
 from .wan.fast_camera import KeySteering
 from .wan.speed import SpeedOptions, SpeedStats
@@ -284,13 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--device", default="cuda", help="the CUDA device to check")
     quantize = sub.add_parser(
         "quantize",
-        help="a bf16/fp32 expert (e.g. lingbot_world_fast/) -> an NF4 folder that loads in seconds",
+        help="a bf16/fp32 expert (e.g. lingbot_world_fast/, a v2 DiT) -> an NF4 folder that loads in seconds",
     )
     quantize.add_argument(
         "src",
         type=Path,
-        help="expert folder or file: lingbot_world_fast/ (or the base-cam folder holding it), "
-        "high_noise_model/, a single .safetensors; fp32 or bf16, sharded or not",
+        help="expert folder or file: lingbot_world_fast/ (or the base-cam folder holding it), a v2 14B "
+        "folder (its transformers/), the v2 1.3B folder, high_noise_model/, a single .safetensors; fp32 or "
+        "bf16, sharded or not",
     )
     quantize.add_argument("dst", type=Path, help="the NF4 folder to write (e.g. .../lingbot_world_fast_nf4)")
     quantize.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -738,15 +738,20 @@ def run_quantize(args) -> int:
     return 0
 
 
-FAST_HELP = f"""LingBot-World-Fast: one causal DiT generates the clip chunk by chunk (3 latent frames = 9 video
-frames for the first chunk, 12 for each later one), 4 steps a chunk, no CFG, attending to a cache of
-what came before. Frames are decoded and encoded into the MP4 as each chunk finishes: RAM holds one
-chunk's frames, not the clip's. A clip is at most {MAX_FRAME_NUM} frames (--frame_num; the RoPE table's
-latent frames), --keys - included; what grows with --frame_num is set up front and in the predicted peak:
-the attention cache (bounded by --local_attn_size), the i2v condition and the first-frame encode's video.
+FAST_HELP = f"""LingBot-World-Fast and LingBot-World 2.0 causal-fast: one causal DiT generates the clip chunk
+by chunk, 4 steps a chunk, no CFG, attending to a cache of what came before. v1 Fast: chunks of 3 latent
+frames (9 video frames for the first chunk, 12 for each later one); v2 14B and 1.3B: 4 latent frames (13,
+then 16). Frames are decoded and encoded into the MP4 as each chunk finishes: RAM holds one chunk's
+frames, not the clip's. A clip is at most {max_frame_num(3)} frames for v1 Fast and {max_frame_num(4)} for v2
+(--frame_num; the RoPE table's latent frames), --keys - included; what grows with --frame_num is set up
+front and in the predicted peak: the attention cache (bounded by --local_attn_size), the i2v condition and
+the first-frame encode's video.
 
 --ckpt_dir: the base-cam folder holding lingbot_world_fast/ (or lingbot_world_fast_nf4/ written by
-`lingbot.py quantize`), or the Fast model folder itself.
+`lingbot.py quantize`), the v2 14B folder (its DiT in transformers/), the v2 1.3B folder (with
+--assets_dir: the 14B folder, for the text encoder, tokenizer and VAE), or a DiT folder itself.
+--model auto detects which it is from the files; the window, sink and shift default to the model's
+documented run (v1 Fast: -1 / 0 / 10; v2 14B: 18 / 6 / 10; v2 1.3B: 18 / 6 / 5).
 
 Camera: a whole path up front (--action_path poses, --action_string, --camera_preset), or steered with
 --keys FILE / --keys - (stdin): one line per chunk naming the keys held through that chunk's frames,
@@ -760,7 +765,20 @@ def add_fast_args(p: argparse.ArgumentParser):
         "--ckpt_dir",
         type=Path,
         required=True,
-        help="base-cam folder with lingbot_world_fast/, the Fast folder, or an NF4 folder from `quantize`",
+        help="base-cam folder with lingbot_world_fast/, a v2 14B or 1.3B folder, a DiT folder, or an NF4 "
+        "folder from `quantize`",
+    )
+    p.add_argument(
+        "--model",
+        choices=MODEL_CHOICES,
+        default="auto",
+        help="which model the checkpoint is: auto (detected from its files), fast (v1), v2-14b, v2-1.3b",
+    )
+    p.add_argument(
+        "--assets_dir",
+        type=Path,
+        help="folder with the text encoder, tokenizer and VAE when --ckpt_dir lacks them (the v2 1.3B: "
+        "the v2 14B folder)",
     )
     p.add_argument("--image", type=Path, required=True)
     p.add_argument("--prompt", required=True, help="no negative prompt: Fast runs without CFG")
@@ -782,22 +800,27 @@ def add_fast_args(p: argparse.ArgumentParser):
         "--frame_num",
         type=int,
         default=None,
-        help=f"video frames (default {DEFAULTS.frame_num}, at most {MAX_FRAME_NUM}); rounded down to whole "
-        "chunks of 3 latent frames (81 -> 81, 161 -> 153); with --keys - the most the clip may run",
+        help=f"video frames (default {DEFAULTS.frame_num}, at most {max_frame_num(3)} for v1 Fast, "
+        f"{max_frame_num(4)} for v2); rounded down to whole chunks (v1 Fast: 3 latent frames, 81 -> 81, "
+        "161 -> 153; v2: 4, 81 -> 77); with --keys - the most the clip may run",
     )
     p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=FastConfig.seed)
-    p.add_argument("--sample_shift", type=float, default=FastConfig.shift)
+    p.add_argument(
+        "--sample_shift",
+        type=float,
+        help="timestep shift (default: the model's; v1 Fast and v2 14B 10, v2 1.3B 5)",
+    )
     p.add_argument(
         "--local_attn_size",
         type=int,
-        default=-1,
-        help="latent frames the attention cache keeps, sink included (-1: all, upstream's default)",
+        help="latent frames the attention cache keeps, sink included; -1: all (default: the model's "
+        "documented run; v1 Fast -1, v2 18)",
     )
     p.add_argument(
         "--sink_size",
         type=int,
-        default=0,
-        help="latent frames at the start the window never evicts (needs a --local_attn_size window)",
+        help="latent frames at the start the window never evicts (needs a --local_attn_size window; "
+        "default: the model's; v1 Fast 0, v2 6)",
     )
     p.add_argument(
         "--kv_dtype",
@@ -827,11 +850,14 @@ def add_fast_args(p: argparse.ArgumentParser):
 def fast_camera(args, files, image, size, device):
     """(whole-path camera or None, KeySteering or None, key rows of a --keys file or None, video frames)."""
     requested = args.frame_num if args.frame_num is not None else DEFAULTS.frame_num
+    chunk = files.kind.chunk_frames
     if args.keys is None:
         cam_input = camera_input(args, image.shape[1:])
         if cam_input is None:
-            return None, None, None, fast_frame_num(requested)
-        cam, frames = fast_run.camera_tensor(cam_input, files.control_type, args.frame_num, size, device)
+            return None, None, None, fast_frame_num(requested, chunk)
+        cam, frames = fast_run.camera_tensor(
+            cam_input, files.control_type, args.frame_num, size, device, chunk
+        )
         return cam, None, None, frames
     if args.camera_preset or args.action_string or args.allow_act2cam:
         raise ValueError("--keys steers the camera: give no --action_string/--camera_preset/--allow_act2cam")
@@ -841,22 +867,24 @@ def fast_camera(args, files, image, size, device):
         )
     folder = args.action_path and camera_files.load_camera_dir(args.action_path, require_poses=False)
     intrinsics = folder["intrinsics"] if folder else fast_run.steering_intrinsics(None, size, args.camera_fov)
-    steering = KeySteering(size, intrinsics, device=device)
-    frames = fast_frame_num(requested)
+    steering = KeySteering(size, intrinsics, device=device, chunk=chunk)
+    frames = fast_frame_num(requested, chunk)
     rows = None
     if args.keys != "-":
         rows = fast_run.read_keys_file(args.keys)
-        chunks = min(len(rows), fast_latent_frames(frames) // CHUNK_FRAMES)
+        chunks = min(len(rows), fast_latent_frames(frames, chunk) // chunk)
         if len(rows) > chunks:
             print(f"--keys: {len(rows)} lines, {chunks} chunks fit {frames} frames; the rest is not used")
-        rows, frames = rows[:chunks], (chunks * CHUNK_FRAMES - 1) * 4 + 1
+        rows, frames = rows[:chunks], (chunks * chunk - 1) * 4 + 1
     return None, steering, rows, frames
 
 
 def run_fast(args) -> int:
     output = check_outputs(args, "lingbot_fast")
     device = resolve_device(args.device)
-    files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve())
+    assets = args.assets_dir and args.assets_dir.expanduser().resolve()
+    files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
+    chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
     check_text_dim(read_encoder_config(files.text_encoder)["dim"], files.config)
     check_vae(files.vae)
     tile = vae_tile(args.vae_tile)
@@ -867,10 +895,10 @@ def run_fast(args) -> int:
             args.local_attn_size,
             args.sink_size,
             args.kv_dtype,
+            files.kind,
         )
         swap = resolve_swap_blocks(args.swap_blocks, files.config.num_layers)
-        if args.frame_num is not None:
-            fast_latent_frames(args.frame_num)  # at least one chunk, at most the RoPE table
+        fast_latent_frames(DEFAULTS.frame_num if args.frame_num is None else args.frame_num, chunk)
     except ValueError as err:
         raise ValueError(f"--{err}") from None
     image = load_image(args.image)
@@ -879,16 +907,16 @@ def run_fast(args) -> int:
     except ValueError as err:
         raise ValueError(f"--size: {err}") from None
     cam, steering, rows, frames = fast_camera(args, files, image, size, device)
-    lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames), size
+    lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames, chunk), size
     if args.frame_num is not None and frames != args.frame_num:
         print(
-            f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {CHUNK_FRAMES})"
+            f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
     need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
     print(
-        f"LingBot-World-Fast: {lat_f // CHUNK_FRAMES} chunks, {frames} frames at {w}x{h}; attention caches "
-        f"up to {need.caches / memplan.GIB:.2f} GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB "
-        f"(host RAM {need.ram / memplan.GIB:.1f} GiB)"
+        f"{title}: {lat_f // chunk} chunks, {frames} frames at {w}x{h}, window {config.local_attn_size} / sink "
+        f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
+        f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
     )
     if device.type == "cuda":
         vram, ram = memplan.free_memory(device)
@@ -959,11 +987,11 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
     try:
         with phase("load_model"):
             dit = model()
-        lat_shape = (fast_latent_frames(frames), *size[:2])
+        lat_shape = (fast_latent_frames(frames, config.chunk_frames), *size[:2])
         session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
         del y
         if steering is None:
-            cameras = fast_run.whole_path_cameras(cam)
+            cameras = fast_run.whole_path_cameras(cam, config.chunk_frames)
         else:
             cameras = fast_run.steered_cameras(fast_run.stdin_keys() if rows is None else rows, steering)
 

@@ -1,4 +1,4 @@
-"""LingBot-World-Fast for the front ends: request checks, the i2v condition, the camera per chunk, the
+"""LingBot-World-Fast and 2.0 (every chunk-causal kind) for the front ends: request checks, the i2v condition, the camera per chunk, the
 Fast model's residency, steering keys and the chunk loop that decodes and hands out frames as they come.
 
 The CLI's `fast` command and the ComfyUI Fast nodes both run `wan.fast.FastSession` through here.
@@ -16,7 +16,7 @@ import torch
 
 from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
-from ..wan.config import SampleConfig
+from ..wan.config import CHUNKED_KINDS, ChunkedKind, SampleConfig
 from ..wan.fast import (
     CHUNK_FRAMES,
     LATENT_CHANNELS,
@@ -48,11 +48,21 @@ REAL_TIME_FPS = 16  # the video's frame rate: a chunk produced faster than this 
 DEFAULT_FRAMES = SampleConfig.frame_num
 
 
-def fast_config(shift: float, seed: int, local_attn_size: int, sink_size: int, kv_dtype: str) -> FastConfig:
-    """A checked FastConfig; kv_dtype by name ('bf16' = the model's compute dtype, 'fp8' = float8 e4m3)."""
+def fast_config(
+    shift: float | None,
+    seed: int,
+    local_attn_size: int | None,
+    sink_size: int | None,
+    kv_dtype: str,
+    kind: ChunkedKind = CHUNKED_KINDS["fast"],
+) -> FastConfig:
+    """A checked FastConfig for the model kind (its chunk and step indices; shift, window and sink given
+    as None are its documented run's); kv_dtype by name ('bf16' = the model's compute dtype, 'fp8' =
+    float8 e4m3)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    config = FastConfig(
+    config = FastConfig.for_kind(
+        kind,
         shift=shift,
         seed=seed,
         local_attn_size=local_attn_size,
@@ -81,14 +91,22 @@ def camera_frames(camera: CameraInput, frame_num: int | None) -> tuple[np.ndarra
     return poses, actions, frames
 
 
-def camera_tensor(camera: CameraInput, control_type: str | None, frame_num: int | None, size: tuple, device):
-    """(packed camera [1, C, lat_f, lat_h, lat_w] by upstream Fast's rule, the video frames Fast makes)."""
+def camera_tensor(
+    camera: CameraInput,
+    control_type: str | None,
+    frame_num: int | None,
+    size: tuple,
+    device,
+    chunk: int = CHUNK_FRAMES,
+):
+    """(packed camera [1, C, lat_f, lat_h, lat_w] by upstream Fast's rule, the video frames Fast makes);
+    chunk: latent frames a chunk (the clip is whole chunks)."""
     if control_type is None:
         raise ValueError("camera: this model has no camera layers; give no camera input")
     poses, actions, frames = camera_frames(camera, frame_num)
-    lat_f = fast_latent_frames(frames)
+    lat_f = fast_latent_frames(frames, chunk)
     cam = pose_camera(poses, camera.intrinsics, lat_f, size, control_type, actions, device=device)
-    return cam, fast_frame_num(frames)
+    return cam, fast_frame_num(frames, chunk)
 
 
 def steering_intrinsics(camera: CameraInput | None, size: tuple, hfov_deg: float = DEFAULT_HFOV_DEG):
@@ -194,11 +212,11 @@ def steered_cameras(keys: Iterable[np.ndarray], steering: KeySteering) -> Iterat
         yield steering.camera(steering.chunks - 1)
 
 
-def whole_path_cameras(cam: torch.Tensor | None) -> Iterator[torch.Tensor | None]:
-    """The slices of a camera built up front (None forever for no camera)."""
+def whole_path_cameras(cam: torch.Tensor | None, chunk: int = CHUNK_FRAMES) -> Iterator[torch.Tensor | None]:
+    """The `chunk`-frame slices of a camera built up front (None forever for no camera)."""
     k = 0
     while True:
-        yield None if cam is None else cam[:, :, k * CHUNK_FRAMES : (k + 1) * CHUNK_FRAMES]
+        yield None if cam is None else cam[:, :, k * chunk : (k + 1) * chunk]
         k += 1
 
 
@@ -239,7 +257,7 @@ def _sync(device: torch.device) -> None:
 def run_chunks(session: FastSession, cameras: Iterable, decoder, on_chunk: Callable) -> int:
     """Generate chunk after chunk, each with the next camera from `cameras` (running out ends the clip
     early), decode it at once with `decoder` (a `WanVAE.chunk_decoder()`, or None to skip decoding) and
-    call on_chunk(latent [16, 3, h, w], video [3, F, H, W] or None, ChunkTiming). Returns the chunks made."""
+    call on_chunk(latent [16, chunk, h, w], video [3, F, H, W] or None, ChunkTiming). Returns the chunks made."""
     device = session.device
     for k, cam in zip(range(session.num_chunks), cameras, strict=False):
         t0 = time.perf_counter()
@@ -341,11 +359,12 @@ def fast_memory(
     encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept."""
     cfg = files.config
     lat_f, lat_h, lat_w = lat_shape
+    chunk = config.chunk_frames
     frames, pixels = (lat_f - 1) * 4 + 1, lat_h * lat_w * 64
-    tokens = CHUNK_FRAMES * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
+    tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(device_bytes(files.source, quantize), cfg.num_layers, swap)
     fixed = tile if isinstance(tile, tuple) else None
-    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, fixed, chunked=True)
+    decode = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True)
     work = max(tokens * FAST_CHUNK_PER_TOKEN, decode)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
@@ -383,7 +402,7 @@ def fast_fit_issue(
     for window in (21, 15, 12, 9, 6):
         if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
             continue
-        trial = replace(config, local_attn_size=window, sink_size=min(3, window - 3))
+        trial = replace(config, local_attn_size=window, sink_size=min(3, window - config.chunk_frames))
         if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
             options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
             break

@@ -9,7 +9,8 @@ Layouts accepted:
 - ``nf4_pt``: the same state dict in a ``model.pt``, as an earlier revision of that repack stored
   it (read with ``torch.load(weights_only=True, mmap=True)``, never unpickled otherwise).
 - ``diffusers_folder``: upstream ``high_noise_model/``: ``config.json`` + ``diffusion_pytorch_model.safetensors``
-  or shards listed by ``diffusion_pytorch_model.safetensors.index.json``.
+  or shards listed by ``diffusion_pytorch_model.safetensors.index.json`` (or by ``model.safetensors.index.json``,
+  as LingBot-World 2.0's 1.3B ships its config-less ``model-0000i-of-00006.safetensors``).
 - ``single_safetensors``: one ``.safetensors`` file (ComfyUI ``models/diffusion_models/``).
 
 The architecture (sizes, cam/act/plain variant) comes from tensor shapes, with ``config.json`` only
@@ -51,6 +52,8 @@ NF4_META = "quantization_meta.json"
 CONFIG = "config.json"
 DIFFUSERS_SINGLE = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+MODEL_INDEX = "model.safetensors.index.json"  # Hugging Face's generic name (the v2 1.3B's flat repo)
+SHARD_INDEXES = (DIFFUSERS_INDEX, MODEL_INDEX)
 EXPERT_DIRS = {
     "high": ("high_noise_model_bnb_nf4", "high_noise_model"),
     "low": ("low_noise_model_bnb_nf4", "low_noise_model"),
@@ -172,8 +175,8 @@ def folder_missing(folder: Path, need_config: bool = True) -> list[str] | None:
     for name in (NF4_WEIGHTS, NF4_PT):
         if exists(folder / name):
             return _lacks(folder / name) + config()
-    index = folder / DIFFUSERS_INDEX
-    if exists(index):
+    index = shard_index(folder)
+    if index is not None:
         missing = config()
         if path_problem(index) is not None:
             return missing + _lacks(index)
@@ -182,6 +185,11 @@ def folder_missing(folder: Path, need_config: bool = True) -> list[str] | None:
     if exists(folder / DIFFUSERS_SINGLE):
         return config() + _lacks(folder / DIFFUSERS_SINGLE)
     return None
+
+
+def shard_index(folder: Path) -> Path | None:
+    """The folder's shard index (diffusers' name first), or None."""
+    return next((folder / n for n in SHARD_INDEXES if exists(folder / n)), None)
 
 
 def find_experts(ckpt_dir) -> dict:
@@ -232,10 +240,11 @@ def _resolve(path: Path) -> tuple[str, list[Path], Path | None]:
     for name, kind in ((NF4_WEIGHTS, "nf4_folder"), (NF4_PT, "nf4_pt")):
         if exists(path / name):
             return kind, [check_file(path / name, "expert weights file")], cfg
-    if exists(path / DIFFUSERS_INDEX):
-        shards = sorted(set(_weight_map(path / DIFFUSERS_INDEX).values()))
+    index = shard_index(path)
+    if index is not None:
+        shards = sorted(set(_weight_map(index).values()))
         if not shards:
-            raise CheckpointError(f"{path / DIFFUSERS_INDEX}: has no weight_map")
+            raise CheckpointError(f"{index}: has no weight_map")
         missing = [str(path / s) for s in shards if not exists(path / s)]
         if missing:
             raise FileNotFoundError(f"{path}: missing shard files: " + ", ".join(missing))
@@ -244,7 +253,7 @@ def _resolve(path: Path) -> tuple[str, list[Path], Path | None]:
         return "diffusers_folder", [check_file(path / DIFFUSERS_SINGLE, "expert weights file")], cfg
     raise FileNotFoundError(
         f"{path}: no expert weights found (looked for {NF4_WEIGHTS}, {NF4_PT}, {DIFFUSERS_INDEX}, "
-        f"{DIFFUSERS_SINGLE})"
+        f"{MODEL_INDEX}, {DIFFUSERS_SINGLE})"
     )
 
 
@@ -613,8 +622,9 @@ def detect_expert_format(path, require_config: bool = True) -> ExpertSource:
                 if k in refs:
                     raise CheckpointError(f"{f}: tensor {k!r} also stored in {refs[k].file}")
                 refs[k] = r
-        if kind == "diffusers_folder" and (files[0].parent / DIFFUSERS_INDEX).is_file():
-            _check_index(files[0].parent / DIFFUSERS_INDEX, refs)
+        index = shard_index(files[0].parent) if kind == "diffusers_folder" else None
+        if index is not None and index.is_file():
+            _check_index(index, refs)
     refs = _strip_prefix(refs)
     if kind == "single_safetensors" and "config" in metadata:
         try:

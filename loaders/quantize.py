@@ -1,5 +1,6 @@
-"""`lingbot.py quantize`: one bf16/fp32 expert (the Fast model, an upstream ``high_noise_model/``, a
-single file) -> an NF4 folder in the community repack's exact format.
+"""`lingbot.py quantize`: one bf16/fp32 expert (the Fast model, a LingBot-World 2.0 DiT, an upstream
+``high_noise_model/``, a single file) -> an NF4 folder in the community repack's exact format (its
+``quantization_meta.json`` also records a v2 DiT's kind, so the NF4 folder is detected as one).
 
 The source streams through `stream.load_expert(quantize=True)`, so the result is bit for bit what
 loading the source with streaming quantization gives: each dense tensor cast to bf16 (upstream loads
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .fast_checkpoint import FAST_DIR, fast_model_dir
+from .fast_checkpoint import DIFFUSERS_DIR, FAST_DIR, KIND_KEY, V2_DIR, fast_model_dir, known_kind
 from .formats import CONFIG, NF4_META, NF4_WEIGHTS, CheckpointError, ExpertSource, detect_expert_format
 from .monitor import RssSampler
 from .stream import load_expert, release
@@ -79,7 +80,9 @@ def _quant_meta(src: ExpertSource, nbytes: int) -> dict:
     cfg = src.dit_config
     folder = src.path if src.path.is_dir() else src.path.parent
     dtypes = sorted({str(r.dtype).removeprefix("torch.") for r in src.tensors.values()})
+    kind = known_kind(src)
     return {
+        **({KIND_KEY: kind} if kind else {}),
         "source": {"ckpt_dir": str(folder.parent), "subfolder": folder.name, "dtypes": dtypes},
         "model_config": {k: v for k, v in asdict(cfg).items() if k != "control_type"},
         "quant": {
@@ -122,7 +125,9 @@ def quantize_expert(source, dst, device=None, overwrite: bool = False) -> Quanti
     """
     t0 = time.perf_counter()
     if not isinstance(source, ExpertSource):
-        source = detect_expert_format(fast_model_dir(source, (FAST_DIR,)), require_config=False)
+        source = detect_expert_format(
+            fast_model_dir(source, (FAST_DIR, V2_DIR, DIFFUSERS_DIR)), require_config=False
+        )
     if source.quantized:
         raise CheckpointError(f"{source.path}: already quantized (4-bit layers stored); nothing to do")
     dst = Path(dst)

@@ -8,6 +8,8 @@ dtypes, tensor order in the file and config files follow the real checkpoints:
   small sizes); ``mode="random"`` writes random packed NF4 codes with plausible scales straight
   to disk, one tensor in RAM at a time (full A14B size at disk speed).
 - `write_diffusers_expert`: upstream ``high_noise_model/`` (one file or shards + index).
+- `write_v2_14b_dit`, `write_v2_1_3b`: LingBot-World 2.0's DiTs as released (``transformers/`` of the
+  14B repo; the 1.3B's flat config-less shards).
 - `write_single_safetensors`: one file as ComfyUI users keep in ``models/diffusion_models/``.
 
 Dense values follow `wan.dit.init_random_`'s rules, seeded per tensor name, so the same seed
@@ -32,6 +34,7 @@ from .formats import (
     CONFIG,
     DIFFUSERS_INDEX,
     DIFFUSERS_SINGLE,
+    MODEL_INDEX,
     NF4_META,
     NF4_PT,
     NF4_WEIGHTS,
@@ -296,10 +299,19 @@ def _quant_meta(cfg: DiTConfig, params: dict, nbytes: int, pt: bool) -> dict:
 
 
 def write_diffusers_expert(
-    directory, cfg: DiTConfig, seed: int = 0, dtype: torch.dtype = torch.bfloat16, shards: int = 1
+    directory,
+    cfg: DiTConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    shards: int = 1,
+    *,
+    shard_prefix: str = "diffusion_pytorch_model",
+    index: str = DIFFUSERS_INDEX,
+    config: dict | None = None,
 ) -> Path:
     """Upstream's ``<role>_noise_model/``: config.json + ``diffusion_pytorch_model.safetensors``,
-    or `shards` files ``diffusion_pytorch_model-0000i-of-0000n.safetensors`` and their index."""
+    or `shards` files ``<shard_prefix>-0000i-of-0000n.safetensors`` and their `index`.
+    config: what config.json holds (default `config_json(cfg)`; {} writes none)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     params, _ = model_specs(cfg)
@@ -308,13 +320,11 @@ def write_diffusers_expert(
     total = sum(sizes)
     if shards <= 1:
         groups = {DIFFUSERS_SINGLE: names}
-    else:  # consecutive runs of about total/shards bytes, as diffusers' max_shard_size splits
-        groups, acc = {}, 0
-        for k, n in zip(names, sizes, strict=True):
-            i = min(shards - 1, acc * shards // total)
-            groups.setdefault(f"diffusion_pytorch_model-{i + 1:05d}-of-{shards:05d}.safetensors", []).append(
-                k
-            )
+    else:  # consecutive runs of about total/shards bytes, as diffusers' max_shard_size splits; none empty
+        groups, acc, i = {}, 0, 0
+        for left, (k, n) in enumerate(zip(names, sizes, strict=True), start=-len(names)):
+            i = max(min(shards - 1, acc * shards // total, i + 1), i, shards + left)
+            groups.setdefault(f"{shard_prefix}-{i + 1:05d}-of-{shards:05d}.safetensors", []).append(k)
             acc += n
     for file, keys in groups.items():
         specs = {k: (dtype, params[k]) for k in keys}
@@ -322,13 +332,73 @@ def write_diffusers_expert(
             out / file, specs, lambda k: random_tensor(k, params[k], seed, dtype), {"format": "pt"}
         )
     if shards > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {k: f for f, ks in groups.items() for k in ks},
-        }
-        (out / DIFFUSERS_INDEX).write_text(json.dumps(index, indent=2))
-    (out / CONFIG).write_text(json.dumps(config_json(cfg), indent=2))
+        index_name, index = (
+            index,
+            {
+                "metadata": {"total_size": total},
+                "weight_map": {k: f for f, ks in groups.items() for k in ks},
+            },
+        )
+        (out / index_name).write_text(json.dumps(index, indent=2))
+    config = config_json(cfg) if config is None else config
+    if config:
+        (out / CONFIG).write_text(json.dumps(config, indent=2))
     return out
+
+
+# ----------------------------------------------------------------------------- LingBot-World 2.0
+
+
+def v2_config_json(cfg: DiTConfig) -> dict:
+    """The 14B's ``transformers/config.json``: upstream WanModelFast's registered arguments (diffusers
+    leaves out its ignore_for_config: patch_size, cross_attn_norm, qk_norm, text_dim), with the CLI's
+    window defaults it was saved with."""
+    keep = (
+        "model_type",
+        "text_len",
+        "in_dim",
+        "dim",
+        "ffn_dim",
+        "freq_dim",
+        "out_dim",
+        "num_heads",
+        "num_layers",
+    )
+    saved = {k: getattr(cfg, k) for k in keep}
+    return {
+        "_class_name": "WanModelFast",
+        "_diffusers_version": "0.35.1",
+        **saved,
+        "local_attn_size": -1,
+        "sink_size": 0,
+        "eps": cfg.eps,
+    }
+
+
+def write_v2_14b_dit(repo, cfg: DiTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """robbyant/lingbot-world-v2-14b-causal-fast's DiT in `repo`: ``transformers/`` with
+    ``model-0000{1..8}-of-00008.safetensors``, their ``diffusion_pytorch_model.safetensors.index.json``
+    and the WanModelFast ``config.json``; returns that folder. The repo root's text encoder, tokenizer
+    (``google/umt5-xxl/``) and VAE are the caller's to place (any tiny ones); its root ``config.json``
+    (content not seen) is not written: nothing here reads it."""
+    return write_diffusers_expert(
+        Path(repo) / "transformers",
+        cfg,
+        seed,
+        dtype,
+        shards=8,
+        shard_prefix="model",
+        config=v2_config_json(cfg),
+    )
+
+
+def write_v2_1_3b(folder, cfg: DiTConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """robbyant/lingbot-world-v2-1.3b-causal-fast: the DiT alone, flat, stored fp32:
+    ``model-0000{1..6}-of-00006.safetensors`` + ``model.safetensors.index.json``, no config.json (the
+    architecture comes from the headers, num_heads as dim / 128) and no text encoder or VAE."""
+    return write_diffusers_expert(
+        folder, cfg, seed, dtype, shards=6, shard_prefix="model", index=MODEL_INDEX, config={}
+    )
 
 
 def write_single_safetensors(

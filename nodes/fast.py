@@ -1,18 +1,20 @@
-"""LingBot-World-Fast nodes: the one causal DiT's loader, and the chunk-by-chunk sampler."""
+"""LingBot-World-Fast and 2.0 causal-fast nodes: the one causal DiT's loader, and the chunk-by-chunk sampler."""
 
 import logging
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import folder_paths
 
 from ..loaders import fast_run
-from ..loaders.fast_checkpoint import fast_model_dir
+from ..loaders.fast_checkpoint import KINDS, MODEL_CHOICES, detect_kind, fast_model_dir
 from ..loaders.formats import DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, ExpertSource, detect_expert_format
 from ..loaders.request import RequestError, check_text_dim
 from ..wan import i2v
-from ..wan.fast import CHUNK_FRAMES, FastSession, fast_frame_num, fast_latent_frames, kv_cache_bytes_for
+from ..wan.config import CHUNKED_KINDS, ChunkedKind
+from ..wan.fast import FastSession, fast_frame_num, fast_latent_frames, kv_cache_bytes_for
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
@@ -22,16 +24,19 @@ from .vae import sampler_vae
 
 FAST = "LINGBOT_FAST"
 NO_MODEL = "(none found: set ckpt_dir)"
+SHARD = re.compile(r"(diffusion_pytorch_model|model)-\d+-of-\d+\.safetensors")
+# Sampler settings that mean "the model kind's documented run" (shift, local_attn_size, sink_size).
+KIND_SHIFT, KIND_WINDOW, KIND_SINK = 0.0, -2, -1
 log = logging.getLogger("LingBot-World")
 
 
 def fast_choices() -> list[str]:
-    """Model folders under ComfyUI's diffusion_models folders (diffusers shards or a single file, NF4
-    folders), listed as the folder; config.json is optional (LingBot-World-Fast ships none)."""
+    """Model folders under ComfyUI's diffusion_models folders (diffusers or Hugging Face shards, a single
+    file, NF4 folders), listed as the folder; config.json is optional (Fast and the v2 1.3B ship none)."""
     out = set()
     for rel in folder_paths.get_filename_list(MODELS_KIND):
         name, folder = os.path.basename(rel), os.path.dirname(rel)
-        shard = name.startswith("diffusion_pytorch_model-") and name.endswith(".safetensors")
+        shard = SHARD.fullmatch(name) is not None
         if folder and (name in (NF4_WEIGHTS, NF4_PT, DIFFUSERS_SINGLE) or shard):
             out.add(folder)
     return sorted(out)
@@ -43,6 +48,7 @@ class FastHandle(ExpertsHandle):
     loaded model is kept (and parked within keep_in_ram_gb) as ExpertsHandle keeps an expert."""
 
     source: ExpertSource | None = None
+    kind: ChunkedKind = field(default_factory=lambda: CHUNKED_KINDS["fast"])
 
     def model(self, device, working_bytes: int):
         """The loaded model on `device` (ComfyUI asked for room first)."""
@@ -51,9 +57,11 @@ class FastHandle(ExpertsHandle):
 
 class LingBotFastLoader:
     DESCRIPTION = (
-        "Picks the LingBot-World-Fast model (robbyant/lingbot-world-fast: one causal DiT, ~69 GB of fp32 "
-        "shards; or the NF4 folder `lingbot.py quantize` writes from it). Checks it from its headers now; "
-        "the Fast sampler streams it in, quantizing to NF4 on the way when asked."
+        "Picks a chunk-causal model: LingBot-World-Fast (robbyant/lingbot-world-fast, ~69 GB of fp32 shards), "
+        "LingBot-World 2.0 14B causal-fast (its transformers/ folder) or 2.0 1.3B causal-fast (its folder; "
+        "text encoder and VAE from the 14B's files), or an NF4 folder `lingbot.py quantize` wrote. Checks it "
+        "from its headers now and tells which it is; the Fast sampler streams it in, quantizing to NF4 on the "
+        "way when asked."
     )
     CATEGORY = CATEGORY
     FUNCTION = "load"
@@ -70,8 +78,9 @@ class LingBotFastLoader:
                     choices,
                     {
                         "default": _default(choices, "fast"),
-                        "tooltip": "The Fast model folder from models/diffusion_models, e.g. lingbot_world_fast "
-                        "(huggingface-cli download robbyant/lingbot-world-fast) or lingbot_world_fast_nf4.",
+                        "tooltip": "The model folder from models/diffusion_models, e.g. lingbot_world_fast "
+                        "(huggingface-cli download robbyant/lingbot-world-fast), lingbot-world-v2-14b-causal-fast/"
+                        "transformers, lingbot-world-v2-1.3b-causal-fast, or an NF4 folder.",
                     },
                 ),
                 "quantize_to_nf4": (
@@ -99,8 +108,16 @@ class LingBotFastLoader:
                     "STRING",
                     {
                         "default": "",
-                        "tooltip": "Optional: the Fast model folder, or the base-cam folder holding "
-                        "lingbot_world_fast(_nf4)/; when set it replaces the list above.",
+                        "tooltip": "Optional: the model folder, the base-cam folder holding "
+                        "lingbot_world_fast(_nf4)/ or the v2 14B folder; when set it replaces the list above.",
+                    },
+                ),
+                "model_kind": (
+                    list(MODEL_CHOICES),
+                    {
+                        "default": "auto",
+                        "tooltip": "Which model it is: auto (from its files), fast (v1), v2-14b, v2-1.3b. It sets "
+                        "the chunk (3 or 4 latent frames), the steps and the sampler's model defaults.",
                     },
                 ),
                 "swap_blocks": (
@@ -117,7 +134,7 @@ class LingBotFastLoader:
             },
         }
 
-    def load(self, model, quantize_to_nf4, keep_in_ram_gb, ckpt_dir="", swap_blocks=0):
+    def load(self, model, quantize_to_nf4, keep_in_ram_gb, ckpt_dir="", swap_blocks=0, model_kind="auto"):
         if ckpt_dir.strip():
             path = fast_model_dir(Path(ckpt_dir.strip()).expanduser())
         else:
@@ -129,6 +146,7 @@ class LingBotFastLoader:
                 )
             path = resolve_model(MODELS_KIND, model)
         source = detect_expert_format(path, require_config=False)
+        kind = detect_kind(source, model_kind)
         config = source.dit_config
         if isinstance(swap_blocks, bool) or not isinstance(swap_blocks, int) or not 0 <= swap_blocks:
             raise ValueError(f"swap_blocks: expected an integer >= 0, got {swap_blocks!r}")
@@ -144,21 +162,24 @@ class LingBotFastLoader:
             ram_budget=int(keep_in_ram_gb * memory.GIB),
             swap_blocks=swap_blocks,
             source=source,
+            kind=kind,
         )
+        log.info("LingBot Fast Loader: %s is %s", path, KINDS[kind.name].title)
         return (handle,)
 
 
 class LingBotFastSampler:
     DESCRIPTION = (
-        "LingBot-World-Fast sampling: the clip is made chunk by chunk (3 latent frames = 12 video frames), "
-        "4 steps a chunk and no CFG, each chunk attending to a cache of the ones before. local_attn_size and "
-        "sink_size bound that cache (upstream's default: unbounded); kv_dtype fp8 halves it."
+        "LingBot-World-Fast / 2.0 sampling: the clip is made chunk by chunk (v1 Fast: 3 latent frames = 12 "
+        "video frames; v2: 4 = 16), 4 steps a chunk and no CFG, each chunk attending to a cache of the ones "
+        "before. local_attn_size and sink_size bound that cache (the model's documented run by default: v1 "
+        "Fast unbounded, v2 18 / 6); kv_dtype fp8 halves it."
     )
     CATEGORY = CATEGORY
     FUNCTION = "sample"
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("latent",)
-    OUTPUT_TOOLTIPS = ("Video latent [1, 16, T, H/8, W/8] (Wan2.1 VAE space), T a multiple of 3.",)
+    OUTPUT_TOOLTIPS = ("Video latent [1, 16, T, H/8, W/8] (Wan2.1 VAE space), T whole chunks (3 or 4).",)
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -173,8 +194,9 @@ class LingBotFastSampler:
                         "min": 9,
                         "max": 1601,
                         "step": 4,
-                        "tooltip": "Video frames; rounded down to whole chunks of 3 latent frames (81 -> 81, "
-                        "161 -> 153). A pose file with fewer poses caps it; an action string sets it.",
+                        "tooltip": "Video frames; rounded down to whole chunks (v1 Fast: 3 latent frames, 81 -> "
+                        "81, 161 -> 153; v2: 4, 81 -> 77). A pose file with fewer poses caps it; an action string "
+                        "sets it.",
                     },
                 ),
                 "seed": (
@@ -190,30 +212,33 @@ class LingBotFastSampler:
                 "shift": (
                     "FLOAT",
                     {
-                        "default": 10.0,
-                        "min": 0.1,
+                        "default": KIND_SHIFT,
+                        "min": 0.0,
                         "max": 100.0,
                         "step": 0.1,
-                        "tooltip": "Timestep shift (upstream's Fast CLI: 10, giving t = 999, 978, 947, 825).",
+                        "tooltip": "Timestep shift; 0 = the model's (v1 Fast and v2 14B: 10, giving t = 999, 978, "
+                        "947, 825 for v1; v2 1.3B: 5).",
                     },
                 ),
                 "local_attn_size": (
                     "INT",
                     {
-                        "default": -1,
-                        "min": -1,
+                        "default": KIND_WINDOW,
+                        "min": KIND_WINDOW,
                         "max": 1024,
-                        "tooltip": "Latent frames the attention cache keeps, sink included; -1 = all (upstream). "
-                        "A window bounds memory and per-chunk time on long clips (e.g. 15 or 21).",
+                        "tooltip": "Latent frames the attention cache keeps, sink included; -1 = all; -2 = the "
+                        "model's documented run (v1 Fast: all; v2: 18). A window bounds memory and per-chunk time "
+                        "on long clips (e.g. 15 or 21).",
                     },
                 ),
                 "sink_size": (
                     "INT",
                     {
-                        "default": 0,
-                        "min": 0,
+                        "default": KIND_SINK,
+                        "min": KIND_SINK,
                         "max": 1024,
-                        "tooltip": "Latent frames at the start the window never evicts (e.g. 3: the first chunk).",
+                        "tooltip": "Latent frames at the start the window never evicts (e.g. 3: v1's first chunk); "
+                        "-1 = the model's (v1 Fast: 0; v2: 6).",
                     },
                 ),
                 "kv_dtype": (
@@ -247,8 +272,8 @@ class LingBotFastSampler:
                 i2v.parse_max_area(max_area)
             if length is not None:
                 fast_latent_frames(length)
-            if local_attn_size is not None and sink_size is not None:
-                fast_run.fast_config(10.0, 42, local_attn_size, sink_size, "bf16")
+            if local_attn_size not in (None, KIND_WINDOW) and sink_size not in (None, KIND_SINK):
+                fast_run.fast_config(10.0, 42, local_attn_size, sink_size, "bf16")  # v1's chunk: the smallest
         except ValueError as e:
             return str(e)
         return True
@@ -279,7 +304,15 @@ class LingBotFastSampler:
         context = text.context if text is not None else conditioning_to_context(positive, "positive")
         vae = sampler_vae(vae)
         img = image_to_input(image)
-        config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype)
+        config = fast_run.fast_config(
+            None if shift == KIND_SHIFT else shift,
+            seed,
+            None if local_attn_size == KIND_WINDOW else local_attn_size,
+            None if sink_size == KIND_SINK else sink_size,
+            kv_dtype,
+            model.kind,
+        )
+        chunk = config.chunk_frames
         try:
             check_text_dim(context.shape[-1], model.config)
         except RequestError as e:
@@ -291,11 +324,13 @@ class LingBotFastSampler:
         device = memory.torch_device()
         cam = None
         if camera is not None:
-            cam, frames = fast_run.camera_tensor(camera, model.config.control_type, length, size, device)
+            cam, frames = fast_run.camera_tensor(
+                camera, model.config.control_type, length, size, device, chunk
+            )
         else:
-            frames = fast_frame_num(length)
-        lat_f = fast_latent_frames(frames)
-        chunks = lat_f // CHUNK_FRAMES
+            frames = fast_frame_num(length, chunk)
+        lat_f = fast_latent_frames(frames, chunk)
+        chunks = lat_f // chunk
         hooks, phases = memory.sampling_hooks(chunks)
         with hooks.in_phase("vae_encode"):
             y = fast_run.condition(img, vae.encode, frames, size, device)
@@ -309,7 +344,7 @@ class LingBotFastSampler:
             timings = []
             with hooks.in_phase("chunks"):
                 fast_run.run_chunks(
-                    session, fast_run.whole_path_cameras(cam), None, lambda c, v, t: timings.append(t)
+                    session, fast_run.whole_path_cameras(cam, chunk), None, lambda c, v, t: timings.append(t)
                 )
             latent = session.latent()
         except BaseException as e:
@@ -322,7 +357,8 @@ class LingBotFastSampler:
             memory.after_release()
         model.release()
         log.info(
-            "LingBot-World-Fast, %d frames at %dx%d in %d chunks:\n%s\n%s",
+            "%s, %d frames at %dx%d in %d chunks:\n%s\n%s",
+            KINDS[model.kind.name].title,
             frames,
             size[3],
             size[2],

@@ -3,9 +3,10 @@
 Upstream's `WanI2VFast.generate` with its `WanModelFast`, step for step, on our `WanModel` (the Fast
 checkpoint has a base-cam expert's keys and shapes; the window and sink are run settings, not weights):
 
-- The clip is generated in chunks of 3 latent frames. Each chunk takes 4 denoising steps at fixed
-  timesteps of the 1000-step UniPC table (indices 0, 179, 358, 679: t = 999, 978, 947, 825 at shift 10)
-  and no CFG: every step predicts x0 = x_t - sigma * flow (float64) and, except the last, re-noises it
+- The clip is generated in chunks of `FastConfig.chunk_frames` latent frames (v1 Fast: 3; LingBot-World
+  2.0: 4). Each chunk takes 4 denoising steps at fixed timesteps of the 1000-step UniPC table (v1 Fast:
+  indices 0, 179, 358, 679, t = 999, 978, 947, 825 at shift 10; v2: 0, 250, 500, 750; see
+  `wan.config.CHUNKED_KINDS` and `FastConfig.for_kind`) and no CFG: every step predicts x0 = x_t - sigma * flow (float64) and, except the last, re-noises it
   to the next timestep with fresh noise. A "commit" forward at t = 0 on the clean chunk follows; its
   output is discarded, it only rewrites the chunk's slots of the self-attention cache with clean keys.
 - Self-attention is causal through a per-layer K/V cache with no mask: a chunk's queries attend to
@@ -33,16 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from . import i2v
-from .config import NUM_TRAIN_TIMESTEPS, PATCH_SIZE, VAE_STRIDE, DiTConfig
+from .config import NUM_TRAIN_TIMESTEPS, PATCH_SIZE, VAE_STRIDE, ChunkedKind, DiTConfig
 from .dit import attention, linear, rope_apply
 from .pipeline import Hooks
 from .schedulers import sampling_sigmas
 
-CHUNK_FRAMES = 3  # latent frames per chunk (upstream hard-codes 3)
+CHUNK_FRAMES = 3  # v1 Fast's latent frames per chunk (upstream hard-codes 3; v2 uses 4)
 ROPE_FRAMES = 1024  # rows of the RoPE tables: the longest clip in latent frames
 LATENT_CHANNELS = 16
-# the longest clip in video frames: whole chunks within the RoPE table (1023 latent frames)
-MAX_FRAME_NUM = (ROPE_FRAMES - ROPE_FRAMES % CHUNK_FRAMES - 1) * VAE_STRIDE[0] + 1
+
+
+def max_frame_num(chunk: int = CHUNK_FRAMES) -> int:
+    """The longest clip in video frames: whole chunks within the RoPE table (v1 Fast: 1023 latent frames)."""
+    return (ROPE_FRAMES - ROPE_FRAMES % chunk - 1) * VAE_STRIDE[0] + 1
+
+
+MAX_FRAME_NUM = max_frame_num()
 
 
 def _positive_int(value, name: str) -> int:
@@ -51,39 +58,58 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
-def fast_latent_frames(frame_num: int) -> int:
-    """Latent frames Fast generates for `frame_num` video frames: (F-1)//4+1, cut to a multiple of 3."""
+def fast_latent_frames(frame_num: int, chunk: int = CHUNK_FRAMES) -> int:
+    """Latent frames Fast generates for `frame_num` video frames: (F-1)//4+1, cut to a multiple of
+    `chunk` (3 for v1 Fast, 4 for v2)."""
     _positive_int(frame_num, "frame_num")
     lat_f = (frame_num - 1) // VAE_STRIDE[0] + 1
-    lat_f -= lat_f % CHUNK_FRAMES
-    if lat_f < CHUNK_FRAMES:
+    lat_f -= lat_f % chunk
+    if lat_f < chunk:
         raise ValueError(
-            f"frame_num: Fast needs at least {(CHUNK_FRAMES - 1) * VAE_STRIDE[0] + 1} frames "
-            f"(one chunk of {CHUNK_FRAMES} latent frames), got {frame_num}"
+            f"frame_num: Fast needs at least {(chunk - 1) * VAE_STRIDE[0] + 1} frames "
+            f"(one chunk of {chunk} latent frames), got {frame_num}"
         )
     if lat_f > ROPE_FRAMES:
         raise ValueError(
-            f"frame_num: Fast makes at most {MAX_FRAME_NUM} frames ({fast_latent_frames(MAX_FRAME_NUM)} latent "
-            f"frames: its RoPE table has {ROPE_FRAMES} positions), got {frame_num}"
+            f"frame_num: Fast makes at most {max_frame_num(chunk)} frames "
+            f"({ROPE_FRAMES - ROPE_FRAMES % chunk} latent frames: its RoPE table has {ROPE_FRAMES} positions), "
+            f"got {frame_num}"
         )
     return lat_f
 
 
-def fast_frame_num(frame_num: int) -> int:
+def fast_frame_num(frame_num: int, chunk: int = CHUNK_FRAMES) -> int:
     """The video frame count Fast actually produces for `frame_num`: (lat_f-1)*4+1."""
-    return (fast_latent_frames(frame_num) - 1) * VAE_STRIDE[0] + 1
+    return (fast_latent_frames(frame_num, chunk) - 1) * VAE_STRIDE[0] + 1
 
 
 @dataclass(frozen=True)
 class FastConfig:
+    """One chunked run's settings. The defaults are v1 Fast's whole set (chunk 3, its step indices, upstream's
+    CLI window); take another model's from `FastConfig.for_kind`, not by changing the chunk alone."""
+
     shift: float = 10.0
     timestep_index: tuple[int, ...] = (0, 179, 358, 679)
     seed: int = 42
     local_attn_size: int = -1  # latent frames kept in the self-attention cache (-1: all), sink included
     sink_size: int = 0  # latent frames at the start the window never evicts (needs a window)
     kv_dtype: torch.dtype | None = None  # None: the model's compute dtype
+    chunk_frames: int = CHUNK_FRAMES  # latent frames per chunk
+
+    @classmethod
+    def for_kind(cls, kind: ChunkedKind, **settings) -> "FastConfig":
+        """The kind's chunk, step indices, shift and documented window; `settings` given as None keep them."""
+        base = dict(
+            chunk_frames=kind.chunk_frames,
+            timestep_index=kind.timestep_index,
+            shift=kind.shift,
+            local_attn_size=kind.local_attn_size,
+            sink_size=kind.sink_size,
+        )
+        return cls(**{**base, **{k: v for k, v in settings.items() if v is not None}})
 
     def validate(self) -> None:
+        _positive_int(self.chunk_frames, "chunk_frames")
         if isinstance(self.shift, bool) or not isinstance(self.shift, (int, float)):
             raise ValueError(f"shift: expected a number > 0, got {self.shift!r}")
         if not (math.isfinite(self.shift) and self.shift > 0):
@@ -107,17 +133,17 @@ class FastConfig:
         local = self.local_attn_size
         if isinstance(local, bool) or not isinstance(local, int) or (local != -1 and local < 1):
             raise ValueError(f"local_attn_size: expected -1 (unbounded) or a positive integer, got {local!r}")
+        chunk = self.chunk_frames
         if local == -1 and self.sink_size:
             raise ValueError(
                 f"sink_size: a sink is what a window never evicts, and local_attn_size -1 keeps every frame; "
-                f"set local_attn_size to a window (>= sink_size + {CHUNK_FRAMES} = {self.sink_size + CHUNK_FRAMES}) "
+                f"set local_attn_size to a window (>= sink_size + {chunk} = {self.sink_size + chunk}) "
                 f"or sink_size to 0, got sink_size {self.sink_size}"
             )
-        if local != -1 and local < self.sink_size + CHUNK_FRAMES:
+        if local != -1 and local < self.sink_size + chunk:
             raise ValueError(
-                f"local_attn_size: must leave room for a {CHUNK_FRAMES}-frame chunk after the "
-                f"{self.sink_size}-frame sink (>= sink_size + {CHUNK_FRAMES} = "
-                f"{self.sink_size + CHUNK_FRAMES}), got {local}"
+                f"local_attn_size: must leave room for a {chunk}-frame chunk after the "
+                f"{self.sink_size}-frame sink (>= sink_size + {chunk} = {self.sink_size + chunk}), got {local}"
             )
         kv = self.kv_dtype
         if kv is not None and (not isinstance(kv, torch.dtype) or not kv.is_floating_point):
@@ -219,15 +245,10 @@ class FastSession:
             raise ValueError(f"lat_shape: expected (lat_f, lat_h, lat_w), got {lat_shape!r}")
         lat_f, lat_h, lat_w = (int(v) for v in lat_shape)
         p = model.patch_size
-        if (
-            lat_f < CHUNK_FRAMES
-            or lat_f % CHUNK_FRAMES
-            or lat_h % p[1]
-            or lat_w % p[2]
-            or min(lat_h, lat_w) < 1
-        ):
+        chunk = self.chunk = config.chunk_frames
+        if lat_f < chunk or lat_f % chunk or lat_h % p[1] or lat_w % p[2] or min(lat_h, lat_w) < 1:
             raise ValueError(
-                f"lat_shape: lat_f must be a positive multiple of {CHUNK_FRAMES} (see fast_latent_frames) "
+                f"lat_shape: lat_f must be a positive multiple of {chunk} (see fast_latent_frames) "
                 f"and lat_h, lat_w positive multiples of {p[1]}, {p[2]}; got {tuple(lat_shape)}"
             )
         if lat_f > ROPE_FRAMES:
@@ -244,10 +265,10 @@ class FastSession:
         self.hooks = hooks or Hooks()
         self.device = torch.device(device)
         self.lat_shape = (lat_f, lat_h, lat_w)
-        self.num_chunks = lat_f // CHUNK_FRAMES
+        self.num_chunks = lat_f // chunk
         self.done = 0
         self.frame_seqlen = _frame_seqlen(lat_h, lat_w, p)
-        self._grid = (CHUNK_FRAMES // p[0], lat_h // p[1], lat_w // p[2])  # one chunk's token grid
+        self._grid = (chunk // p[0], lat_h // p[1], lat_w // p[2])  # one chunk's token grid
         self._skip_commit = False  # tests only: leave the cache with the last step's noisy keys
 
         self.generator = torch.Generator(device=self.device)
@@ -261,8 +282,8 @@ class FastSession:
             generator=self.generator,
             device=self.device,
         )
-        self._noise = list(noise.split(CHUNK_FRAMES, dim=1))
-        self._y = list(y.to(self.device).split(CHUNK_FRAMES, dim=1))
+        self._noise = list(noise.split(chunk, dim=1))
+        self._y = list(y.to(self.device).split(chunk, dim=1))
         self._context = context.to(self.device)
 
         timesteps, sigmas = sampling_sigmas(NUM_TRAIN_TIMESTEPS, config.shift)
@@ -311,7 +332,7 @@ class FastSession:
         grid = tuple(x.shape[1:])
         x = x.flatten(1).transpose(0, 1)  # [L, dim]
         e, e0 = m.time_embed(t.reshape(1).to(self.device))
-        start = chunk * CHUNK_FRAMES * self.frame_seqlen
+        start = chunk * self.chunk * self.frame_seqlen
         swap = m.block_swap
         try:
             for i, block in enumerate(m.blocks):
@@ -386,22 +407,17 @@ class FastSession:
         if (
             not isinstance(cam, torch.Tensor)
             or cam.dim() != 5
-            or tuple(cam.shape[2:])
-            != (
-                CHUNK_FRAMES,
-                lat_h,
-                lat_w,
-            )
+            or tuple(cam.shape[2:]) != (self.chunk, lat_h, lat_w)
         ):
             got = list(cam.shape) if isinstance(cam, torch.Tensor) else type(cam).__name__
             raise ValueError(
-                f"cam: expected this chunk's camera slice [1, C, {CHUNK_FRAMES}, {lat_h}, {lat_w}], got {got}"
+                f"cam: expected this chunk's camera slice [1, C, {self.chunk}, {lat_h}, {lat_w}], got {got}"
             )
         return cam.to(self.device)
 
     @torch.no_grad()
     def next_chunk(self, cam=None) -> torch.Tensor:
-        """Denoise the next chunk (4 steps + the commit pass); returns its clean latent [16, 3, h, w] fp32."""
+        """Denoise the next chunk (4 steps + the commit pass); returns its clean latent [16, chunk, h, w] fp32."""
         if self._closed:
             raise RuntimeError("this FastSession is closed (finished, failed or interrupted)")
         if self.done >= self.num_chunks:
@@ -411,7 +427,7 @@ class FastSession:
         try:
             m = self.model
             cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
-            freqs = self._rope(self._grid, k * CHUNK_FRAMES)
+            freqs = self._rope(self._grid, k * self.chunk)
             latent = self._noise[k]
             steps = self.timesteps
             for j, t in enumerate(steps):
@@ -441,7 +457,7 @@ class FastSession:
         return x0
 
     def latent(self) -> torch.Tensor:
-        """The finished chunks concatenated [16, 3*done, lat_h, lat_w]."""
+        """The finished chunks concatenated [16, chunk * done, lat_h, lat_w]."""
         if not self._chunks:
             _, lat_h, lat_w = self.lat_shape
             return torch.zeros(LATENT_CHANNELS, 0, lat_h, lat_w, device=self.device)
@@ -470,7 +486,7 @@ def generate_fast(model, context, y, cam, lat_shape, config: FastConfig, device,
             got = list(cam.shape) if isinstance(cam, torch.Tensor) else type(cam).__name__
             raise ValueError(f"cam: expected [1, C, {', '.join(map(str, session.lat_shape))}], got {got}")
         for k in range(session.num_chunks):
-            part = None if cam is None else cam[:, :, k * CHUNK_FRAMES : (k + 1) * CHUNK_FRAMES]
+            part = None if cam is None else cam[:, :, k * session.chunk : (k + 1) * session.chunk]
             session.next_chunk(part)
         return session.latent()
     finally:

@@ -17,8 +17,9 @@ on keys that have not arrived. Two upstream act2cam rules look at the whole path
 So chunk k's camera depends only on the keys of chunks 0..k, and building it while the keys arrive gives
 bit for bit the tensor built afterwards from all of them.
 
-One key line holds the keys for one chunk's video frames: chunk 0 decodes to 4*(CHUNK-1)+1 = 9 frames
-and takes 8 key rows (poses 1..8), every later chunk 12 frames and 12 rows.
+One key line holds the keys for one chunk's video frames: chunk 0 decodes to 4*(CHUNK-1)+1 frames and
+takes 4*(CHUNK-1) key rows (v1 Fast, 3 latent frames a chunk: 9 frames, poses 1..8), every later chunk
+4*CHUNK frames and rows (12; v2's 4-frame chunks: 13, then 16).
 """
 
 import numpy as np
@@ -93,9 +94,10 @@ def pose_camera(
 # ------------------------------------------------------------------------------------------ steering
 
 
-def chunk_key_rows(k: int) -> int:
-    """Key rows (video frames) chunk k adds: 8 for chunk 0 (9 frames, the first needs none), then 12."""
-    return VAE_STRIDE[0] * (CHUNK_FRAMES - 1 if k == 0 else CHUNK_FRAMES)
+def chunk_key_rows(k: int, chunk: int = CHUNK_FRAMES) -> int:
+    """Key rows (video frames) chunk k adds: 4*(chunk-1) for chunk 0 (the first frame needs none), then
+    4*chunk (v1 Fast: 8, then 12)."""
+    return VAE_STRIDE[0] * (chunk - 1 if k == 0 else chunk)
 
 
 def parse_keys_line(line: str, where: str = "keys") -> np.ndarray:
@@ -124,10 +126,12 @@ def parse_keys_line(line: str, where: str = "keys") -> np.ndarray:
 class KeySteering:
     """The act2cam path, extended one chunk of keys at a time; `camera(k)` is chunk k's camera slice.
 
-    size: (lat_h, lat_w, h, w); intrinsics: [N, 4] at 480x832 (row 0 used)."""
+    size: (lat_h, lat_w, h, w); intrinsics: [N, 4] at 480x832 (row 0 used); chunk: latent frames a chunk."""
 
-    def __init__(self, size: tuple, intrinsics, dtype: torch.dtype = torch.bfloat16, device="cpu"):
-        self.size, self.dtype, self.device = size, dtype, device
+    def __init__(
+        self, size: tuple, intrinsics, dtype: torch.dtype = torch.bfloat16, device="cpu", chunk=CHUNK_FRAMES
+    ):
+        self.size, self.dtype, self.device, self.chunk = size, dtype, device, chunk
         self.intrinsics = validate_intrinsics(intrinsics)
         self.keys: list[np.ndarray] = []  # one [8] row of keys per chunk
         self._rows: list[np.ndarray] = []  # [8] per video frame
@@ -140,19 +144,19 @@ class KeySteering:
         """The keys (parse_keys_line's [8] row) held through the next chunk."""
         keys = np.asarray(keys, dtype=np.float32).reshape(8)
         self.keys.append(keys)
-        self._rows.extend([keys] * chunk_key_rows(len(self.keys) - 1))
+        self._rows.extend([keys] * chunk_key_rows(len(self.keys) - 1, self.chunk))
 
     def latent_poses(self) -> torch.Tensor:
-        """c2w float32 [3 * chunks, 4, 4] at video frames 0, 4, 8, ... of the path so far."""
+        """c2w float32 [chunk * chunks, 4, 4] at video frames 0, 4, 8, ... of the path so far."""
         rows = np.asarray(self._rows).reshape(-1, 8)
         poses = actions_to_poses(rows[:, :4], rows[:, 4:])
         return torch.from_numpy(poses[:: VAE_STRIDE[0]]).float()
 
     def camera(self, k: int) -> torch.Tensor:
-        """Chunk k's packed camera [1, 384, CHUNK, lat_h, lat_w]; needs the keys of chunks 0..k."""
+        """Chunk k's packed camera [1, 384, chunk, lat_h, lat_w]; needs the keys of chunks 0..k."""
         if not 0 <= k < self.chunks:
             raise ValueError(f"chunk {k}: keys are known for chunks 0..{self.chunks - 1}")
-        return self._slice(self.latent_poses(), k * CHUNK_FRAMES, (k + 1) * CHUNK_FRAMES)
+        return self._slice(self.latent_poses(), k * self.chunk, (k + 1) * self.chunk)
 
     def _slice(self, poses: torch.Tensor, start: int, end: int) -> torch.Tensor:
         rel = []
@@ -166,13 +170,15 @@ class KeySteering:
         return _pack(c2w, self.intrinsics, self.size, "cam", None, self.dtype, self.device)
 
     def full_camera(self) -> torch.Tensor:
-        """The whole path so far at once: [1, 384, 3 * chunks, lat_h, lat_w]."""
-        return self._slice(self.latent_poses(), 0, self.chunks * CHUNK_FRAMES)
+        """The whole path so far at once: [1, 384, chunk * chunks, lat_h, lat_w]."""
+        return self._slice(self.latent_poses(), 0, self.chunks * self.chunk)
 
 
-def keys_camera(lines, size: tuple, intrinsics, dtype: torch.dtype = torch.bfloat16, device="cpu"):
+def keys_camera(
+    lines, size: tuple, intrinsics, dtype: torch.dtype = torch.bfloat16, device="cpu", chunk=CHUNK_FRAMES
+):
     """Offline: all key lines (one per chunk) -> the packed camera of the whole clip."""
-    steering = KeySteering(size, intrinsics, dtype, device)
+    steering = KeySteering(size, intrinsics, dtype, device, chunk)
     for n, line in enumerate(lines, start=1):
         steering.add(parse_keys_line(line, f"keys line {n}"))
     return steering.full_camera()

@@ -7,7 +7,12 @@ anywhere, with the pack's test environment:
 
     python tests/golden/make_golden.py --upstream <folder holding upstream's wan/ package>
 
-(`--only camera dit` regenerates a subset.) CPU only, one to two minutes; the camera part peaks at
+(`--only camera dit` regenerates a subset.) The v2 file comes from LingBot-World 2.0's own code, laid out
+the same way (`git archive 2648877 -- generate.py wan` of github robbyant/lingbot-world-v2):
+
+    python tests/golden/make_golden.py --only v2 --upstream-v2 <folder holding v2's wan/ package>
+
+CPU only, one to two minutes; the camera part peaks at
 ~8 GB of memory (upstream builds whole 720p tensors). The output is byte-for-byte reproducible.
 It needs torch, numpy, scipy, einops, safetensors and tqdm.
 Upstream's other heavy imports (diffusers, flash_attn, transformers, torchvision, cv2, and its T5
@@ -37,6 +42,14 @@ Writes (small; tests/test_parity.py compares the pack against them):
   chunk), the final latent, the i2v condition y and the camera. Upstream draws its noise from a
   generator on its device (CUDA there); here the device is the CPU, so the noise is the CPU
   generator's for the seed, which is what the pack draws on a CPU device.
+- v2.safetensors: the same for LingBot-World 2.0 (upstream v2 `WanModelFast`, cam only, with the
+  fast.safetensors model's weights, read from there and not stored again) through v2's own
+  `WanI2VCausal` chunk loop with its 4-frame chunks and step indices [0, 250, 500, 750] passed
+  explicitly (its private method's default is v1's): once with the 14B's shift 10 on 16 latent frames
+  (4 chunks), once with the 1.3B's shift 5 (the 1.3B config's only sampling difference) on 12 (3
+  chunks), each with a window scaled down from the documented 18 / 6 so the cache rolls (10 / 2: sink
+  and two chunks; 9 / 3: a sink that is not a whole chunk). The camera is kept as a seeded sample and
+  float64 sums (as in camera.safetensors); the i2v condition y and the text context whole.
 """
 
 import argparse
@@ -57,6 +70,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
@@ -106,6 +120,15 @@ FAST_RUNS = {
 FAST_IMAGE_HW = (32, 48)  # with max_area 32*48: latent 4 x 6 (6 tokens per latent frame)
 FAST_SEED = 42
 FAST_SHIFT = 10.0  # generate_fast.py's sample_shift
+
+# Tiny v2 DiT (the dit part's sizes): runs of upstream v2 WanI2VCausal.generate (name -> settings)
+V2_RUNS = {
+    "14b": dict(shift=10.0, local_attn_size=10, sink_size=2, frame_num=61),  # 16 latent frames, 4 chunks
+    "1.3b": dict(shift=5.0, local_attn_size=9, sink_size=3, frame_num=45),  # 12 latent frames, 3 chunks
+}
+V2_CAMERA_SAMPLES = 1024
+V2_CHUNK = 4
+V2_TIMESTEPS_INDEX = [0, 250, 500, 750]  # what v2's generate() passes
 
 # Tiny VAE: upstream's Wan2.1 config with dim 2 instead of 96
 VAE_DIM = 2
@@ -194,15 +217,27 @@ def _to_tensor(img):
     return torch.from_numpy(arr).permute(2, 0, 1).float().div(255)
 
 
-def load_upstream(folder: Path) -> types.SimpleNamespace:
+V1_MODULES = {
+    "i2v": "wan.image2video",
+    "model": "wan.modules.model",
+    "vae": "wan.modules.vae2_1",
+    "unipc": "wan.utils.fm_solvers_unipc",
+    "act": "wan.utils.wasd_ijkl_to_c2ws",
+}
+V2_MODULES = {
+    "i2v": "wan.image2video",
+    "model_fast": "wan.modules.model_fast",
+    "unipc": "wan.utils.fm_solvers_unipc",
+}
+
+
+def load_upstream(folder: Path, names: dict = V1_MODULES) -> types.SimpleNamespace:
     """Import upstream's modules from `folder`/wan without running its package __init__ files."""
-    if (
-        not (folder / "wan" / "image2video.py").is_file()
-        or not (folder / "wan" / "utils" / "wasd_ijkl_to_c2ws.py").is_file()
-    ):
+    need = [folder / (name.replace(".", "/") + ".py") for name in names.values()]
+    if not all(p.is_file() for p in need):
         raise SystemExit(
-            f"--upstream {folder}: expected upstream LingBot-World's source tree with "
-            "wan/image2video.py and wan/utils/wasd_ijkl_to_c2ws.py (its 2026 act2cam commits)"
+            f"{folder}: expected upstream's source tree with {', '.join(str(p.relative_to(folder)) for p in need)} "
+            "(v1: its 2026 act2cam commits; v2: github robbyant/lingbot-world-v2 at 2648877)"
         )
     stubs = _diffusers()
     stubs.update(
@@ -232,13 +267,6 @@ def load_upstream(folder: Path) -> types.SimpleNamespace:
         sys.modules[name] = mod
     import importlib
 
-    names = {
-        "i2v": "wan.image2video",
-        "model": "wan.modules.model",
-        "vae": "wan.modules.vae2_1",
-        "unipc": "wan.utils.fm_solvers_unipc",
-        "act": "wan.utils.wasd_ijkl_to_c2ws",
-    }
     return types.SimpleNamespace(**{k: importlib.import_module(v) for k, v in names.items()})
 
 
@@ -563,6 +591,97 @@ def make_fast(up) -> tuple[dict, dict]:
     return tensors, {"config": cfg, "runs": runs, "seed": FAST_SEED, "shift": FAST_SHIFT}
 
 
+@torch.no_grad()
+def make_v2(up) -> tuple[dict, dict]:
+    """LingBot-World 2.0's chunk loop (`WanI2VCausal._generate_causal_fast` through `generate`) on a tiny
+    v2 `WanModelFast`, for the 14B's and the 1.3B's schedules (see the module docstring)."""
+    config = {k: v for k, v in DIT_CONFIG.items() if k != "window_size"}
+    # the v1 Fast golden model's weights (same keys and shapes): read from fast.safetensors, not stored twice
+    with safe_open(HERE / "fast.safetensors", "pt") as f:
+        weights = {k.removeprefix("weights/"): f.get_tensor(k) for k in f.keys() if k.startswith("weights/")}
+    g = torch.Generator().manual_seed(32)
+    lat_h, lat_w = FAST_IMAGE_HW[0] // 8, FAST_IMAGE_HW[1] // 8
+    max_f = max((r["frame_num"] - 1) // 4 + 1 for r in V2_RUNS.values())
+    image_latent = torch.randn(16, max_f, lat_h, lat_w, generator=g)
+    context = torch.randn(5, config["text_dim"], generator=g)
+    tensors, runs, conds = {"context": context}, [], []
+    for name, run in V2_RUNS.items():
+        model = up.model_fast.WanModelFast(
+            local_attn_size=run["local_attn_size"], sink_size=run["sink_size"], **config
+        ).eval()
+        model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+        calls = []
+        _record_forwards(model, calls)
+        pipe = object.__new__(up.i2v.WanI2VCausal)
+        pipe.__dict__.update(
+            infer_mode="causal_fast",
+            device=torch.device("cpu"),
+            rank=0,
+            t5_cpu=True,
+            num_train_timesteps=1000,
+            param_dtype=torch.bfloat16,
+            pipe_dtype=torch.float32,
+            local_attn_size=run["local_attn_size"],
+            sink_size=run["sink_size"],
+            vae_stride=(4, 8, 8),
+            patch_size=(1, 2, 2),
+            sp_size=1,
+            model=model,
+            vae=_StandInVae(image_latent),
+            _t5_cache={},
+            _cross_attn_initialized=False,
+            text_encoder=lambda texts, device: [context],
+            scheduler=up.unipc.FlowUniPCMultistepScheduler(
+                num_train_timesteps=1000, shift=1, use_dynamic_shifting=False
+            ),
+        )
+        img = np.zeros((*FAST_IMAGE_HW, 3), dtype=np.uint8)
+        pipe.generate(
+            "-",
+            img,
+            action_path=str(EXAMPLE),
+            chunk_size=V2_CHUNK,
+            max_area=math.prod(FAST_IMAGE_HW),
+            frame_num=run["frame_num"],
+            timesteps_index=list(V2_TIMESTEPS_INDEX),
+            shift=run["shift"],
+            seed=FAST_SEED,
+            offload_model=False,
+            max_sequence_length=config["text_len"],
+        )
+        latent = pipe.vae.decoded
+        lat_f = latent.shape[1]
+        chunks = lat_f // V2_CHUNK
+        assert len(calls) == 5 * chunks, len(calls)
+        firsts = calls[::5]  # the first forward of each chunk
+        y = torch.cat([c["y"] for c in firsts], dim=1)
+        cam = torch.cat([c["cam"] for c in firsts], dim=2)
+        conds.append((y, cam))
+        tensors[f"{name}/latent"] = latent
+        tensors[f"{name}/flows"] = torch.stack([c["out"] for c in calls])
+        tensors[f"{name}/t"] = torch.stack([c["t"].reshape(()).double() for c in calls])
+        tensors[f"{name}/start"] = torch.tensor([c["start"] for c in calls])
+        runs.append({"key": name, "lat_f": lat_f, "lat_h": lat_h, "lat_w": lat_w, **run})
+        print(f"v2 {name}: latent {list(latent.shape)}, {len(calls)} forwards", flush=True)
+    # one y kept: the longest run's (the others' are its prefixes). The camera (bf16, as upstream fed it)
+    # as a seeded sample and float64 sums per run, as for camera.safetensors: the pack builds its own.
+    y_all = max((y for y, _ in conds), key=lambda y: y.shape[1])
+    gen = torch.Generator().manual_seed(33)
+    for (y, cam), run in zip(conds, runs, strict=True):
+        assert torch.equal(y_all[:, : y.shape[1]], y)
+        cam = cam.to(torch.bfloat16)
+        idx = torch.randint(0, cam.numel(), (V2_CAMERA_SAMPLES,), generator=gen).unique()
+        tensors[f"{run['key']}/cam_index"] = idx
+        tensors[f"{run['key']}/cam_values"] = cam.flatten()[idx].clone()
+        tensors[f"{run['key']}/cam_frame_sums"] = cam.sum(dim=(0, 1, 3, 4), dtype=torch.float64)
+        tensors[f"{run['key']}/cam_channel_sums"] = cam.sum(dim=(0, 2, 3, 4), dtype=torch.float64)
+    tensors["y"] = y_all
+    cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+    meta = {"config": cfg, "runs": runs, "seed": FAST_SEED, "chunk": V2_CHUNK, "weights": "fast.safetensors"}
+    meta.update(timesteps_index=V2_TIMESTEPS_INDEX, image_hw=list(FAST_IMAGE_HW), upstream="2648877")
+    return tensors, meta
+
+
 def _save(name: str, tensors: dict, meta: dict):
     path = HERE / name
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"golden": json.dumps(meta)})
@@ -571,19 +690,34 @@ def _save(name: str, tensors: dict, meta: dict):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="folder holding upstream's wan/ package")
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=("unipc", "camera", "dit", "vae", "fast"),
-        help="regenerate only these files",
-    )
+    parser.add_argument("--upstream", type=Path, help="folder holding upstream v1's wan/ package")
+    parser.add_argument("--upstream-v2", type=Path, help="folder holding upstream v2's wan/ package (for v2)")
+    makers = {
+        "unipc": make_unipc,
+        "camera": make_camera,
+        "dit": make_dit,
+        "vae": make_vae,
+        "fast": make_fast,
+        "v2": make_v2,
+    }
+    parser.add_argument("--only", nargs="+", choices=tuple(makers), help="regenerate only these files")
     args = parser.parse_args(argv)
+    names = args.only or list(makers)
+    v1 = [n for n in names if n != "v2"]
+    if v1 and args.upstream is None:
+        parser.error(f"--upstream is needed for {' '.join(v1)}")
+    if "v2" in names and args.upstream_v2 is None:
+        parser.error("--upstream-v2 is needed for v2")
     warnings.filterwarnings("ignore", message=".*autocast.*")  # upstream's CUDA autocast blocks on CPU
-    up = load_upstream(args.upstream.resolve())
     torch.set_grad_enabled(False)
-    makers = {"unipc": make_unipc, "camera": make_camera, "dit": make_dit, "vae": make_vae, "fast": make_fast}
-    for name in args.only or makers:
+    up = None
+    for name in sorted(names, key=lambda n: n == "v2"):  # v2's modules take the same wan.* names: last
+        if name == "v2":
+            for mod in [m for m in sys.modules if m == "wan" or m.startswith("wan.")]:
+                del sys.modules[mod]
+            up = load_upstream(args.upstream_v2.resolve(), V2_MODULES)
+        elif up is None:
+            up = load_upstream(args.upstream.resolve())
         tensors, meta = makers[name](up)
         meta["generator"] = "tests/golden/make_golden.py"
         _save(f"{name}.safetensors", tensors, meta)

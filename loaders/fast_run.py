@@ -16,7 +16,7 @@ import torch
 
 from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
-from ..wan.config import SampleConfig
+from ..wan.config import A14B, ChunkedKind, DiTConfig, SampleConfig
 from ..wan.fast import (
     CHUNK_FRAMES,
     FastConfig,
@@ -30,7 +30,7 @@ from ..wan.pipeline import frames_to_uint8
 from .camera_files import CameraInput
 from .experts import ExpertSwitcher
 from .fast_checkpoint import FastFiles
-from .formats import ExpertSource
+from .formats import ExpertSource, expected_layout
 from .planner import decode_vram, expert_vram
 
 KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
@@ -132,16 +132,47 @@ class FastModel:
         self._switcher.close()
 
 
+def _tensor_bytes(shape, quantize: bool | None) -> int:
+    """bf16, or for a 2-D (Linear) weight quantized to NF4 ~4.1 bits: the 4-bit codes and the 8-bit
+    absmax per 64 (double quant)."""
+    n = math.prod(shape)
+    return n * 33 // 64 if quantize and len(shape) == 2 else 2 * n
+
+
 def device_bytes(source: ExpertSource, quantize: bool | None) -> int:
     """Device bytes of the loaded model (to ask the host for room): as stored for an NF4 folder; else bf16,
     with the 2-D (Linear) weights at ~4.1 bits when quantized while loading."""
     if source.quantized:
         return source.nbytes
-    total = 0
-    for ref in source.tensors.values():
-        n = math.prod(ref.shape)
-        total += n * 33 // 64 if quantize and len(ref.shape) == 2 else 2 * n
-    return total
+    return sum(_tensor_bytes(ref.shape, quantize) for ref in source.tensors.values())
+
+
+def nf4_bytes(config: DiTConfig) -> int:
+    """Device bytes of an NF4 model of this architecture, before any file exists (`plan --model`): the
+    Linear weights as `device_bytes` counts them quantized, every other tensor in bf16."""
+    params, linears = expected_layout(config)
+    return sum(_tensor_bytes(shape, True) for shape in [*linears.values(), *params.values()])
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    """What the chunk loop's memory depends on: the DiT's architecture, its bytes on the device and the
+    latent frames per chunk; from a Fast folder (`chunked_model`) or a model's name (`of_kind`)."""
+
+    config: DiTConfig
+    nbytes: int
+    chunk_frames: int = CHUNK_FRAMES
+
+    @classmethod
+    def of_kind(cls, kind: ChunkedKind) -> "ChunkedModel":
+        return cls(kind.dit, nf4_bytes(kind.dit), kind.chunk_frames)
+
+
+def chunked_model(files, quantize: bool | None) -> ChunkedModel:
+    """`files`: a FastFiles (its model as loaded, quantized or not) or a ChunkedModel already."""
+    if isinstance(files, ChunkedModel):
+        return files
+    return ChunkedModel(files.config, device_bytes(files.source, quantize))
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -313,21 +344,29 @@ class FastMemory:
 
 
 def fast_memory(
-    files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int, tile=None
+    files: FastFiles | ChunkedModel,
+    lat_shape: tuple,
+    config: FastConfig,
+    quantize: bool | None,
+    swap: int,
+    tile=None,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run's chunk loop (text encode and first-frame encode come before the
-    model loads and are smaller)."""
-    cfg = files.config
+    model loads and are smaller). `files` a ChunkedModel: a chunked kind by its architecture."""
+    m = chunked_model(files, quantize)
+    cfg, chunk = m.config, m.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
-    tokens = CHUNK_FRAMES * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
-    model = expert_vram(device_bytes(files.source, quantize), cfg.num_layers, swap)
-    decode = decode_vram(CHUNK_FRAMES, lat_h, lat_w, tile if isinstance(tile, tuple) else None, chunked=True)
-    work = max(tokens * FAST_CHUNK_PER_TOKEN, decode)
+    tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
+    model = expert_vram(m.nbytes, cfg.num_layers, swap)
+    decode = decode_vram(chunk, lat_h, lat_w, tile if isinstance(tile, tuple) else None, chunked=True)
+    # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
+    scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
+    work = max(int(tokens * FAST_CHUNK_PER_TOKEN * scale), decode)
     return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work)
 
 
 def fast_fit_issue(
-    files: FastFiles,
+    files: FastFiles | ChunkedModel,
     lat_shape: tuple,
     config: FastConfig,
     quantize: bool | None,
@@ -338,6 +377,7 @@ def fast_fit_issue(
     """None when the run fits `free_vram` (None: unknown, e.g. the CPU); else one message with the
     predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block swap)."""
     gib = 1 << 30
+    files = chunked_model(files, quantize)
     need = fast_memory(files, lat_shape, config, quantize, swap, tile)
     if free_vram is None or need.peak <= free_vram:
         return None
@@ -345,7 +385,7 @@ def fast_fit_issue(
     for window in (21, 15, 12, 9, 6):
         if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
             continue
-        trial = replace(config, local_attn_size=window, sink_size=min(3, window - 3))
+        trial = replace(config, local_attn_size=window, sink_size=min(3, window - files.chunk_frames))
         if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
             options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
             break

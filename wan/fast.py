@@ -49,22 +49,23 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
-def fast_latent_frames(frame_num: int) -> int:
-    """Latent frames Fast generates for `frame_num` video frames: (F-1)//4+1, cut to a multiple of 3."""
+def fast_latent_frames(frame_num: int, chunk_frames: int = CHUNK_FRAMES) -> int:
+    """Latent frames Fast generates for `frame_num` video frames: (F-1)//4+1, cut to a multiple of the
+    chunk (3 latent frames; `wan.config.CHUNKED_KINDS` has the others')."""
     _positive_int(frame_num, "frame_num")
     lat_f = (frame_num - 1) // VAE_STRIDE[0] + 1
-    lat_f -= lat_f % CHUNK_FRAMES
-    if lat_f < CHUNK_FRAMES:
+    lat_f -= lat_f % chunk_frames
+    if lat_f < chunk_frames:
         raise ValueError(
-            f"frame_num: Fast needs at least {(CHUNK_FRAMES - 1) * VAE_STRIDE[0] + 1} frames "
-            f"(one chunk of {CHUNK_FRAMES} latent frames), got {frame_num}"
+            f"frame_num: Fast needs at least {(chunk_frames - 1) * VAE_STRIDE[0] + 1} frames "
+            f"(one chunk of {chunk_frames} latent frames), got {frame_num}"
         )
     return lat_f
 
 
-def fast_frame_num(frame_num: int) -> int:
+def fast_frame_num(frame_num: int, chunk_frames: int = CHUNK_FRAMES) -> int:
     """The video frame count Fast actually produces for `frame_num`: (lat_f-1)*4+1."""
-    return (fast_latent_frames(frame_num) - 1) * VAE_STRIDE[0] + 1
+    return (fast_latent_frames(frame_num, chunk_frames) - 1) * VAE_STRIDE[0] + 1
 
 
 @dataclass(frozen=True)

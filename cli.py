@@ -10,6 +10,8 @@ Option names follow upstream's generate.py (and the NF4 repack's generate_prequa
 spellings are accepted where they differ.
 """
 
+from __future__ import annotations
+
 import argparse
 import contextlib
 import functools
@@ -22,66 +24,132 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-from tqdm import tqdm
+# Only what the parser needs is imported here: torch and the model code load in `import_runtime`, once the
+# arguments parse, so `--help` (and a mistyped flag) answers at once.
+from .wan import camera_presets
+from .wan.config import A14B, CHUNKED_KINDS, SampleConfig, max_frame_num
 
-from .loaders import (
-    camera_authoring,
-    camera_files,
-    camera_preview,
-    checkpoints,
-    demo_assets,
-    distributed,
-    fast_run,
-    monitor,
-    stream,
-    text_encode,
-    video,
-)
-from .loaders import planner as memplan
-from .loaders.experts import ExpertSwitcher
-from .loaders.fast_checkpoint import KINDS, MODEL_CHOICES, resolve_fast_dir
-from .loaders.latent_file import save_comfy_latent
-from .loaders.lora import LoraSpec, parse_lora_spec
-from .loaders.request import RequestError, check_lora_merge, check_text_dim, plan_request
-from .loaders.text_encoder import read_encoder_config
-from .loaders.vae import check_vae, load_vae
-from .wan import i2v, pipeline
-from .wan.block_swap import resolve_swap_blocks
-from .wan.config import SampleConfig
-from .wan.fast import (
-    FastConfig,
-    FastSession,
-    fast_frame_num,
-    fast_latent_frames,
-    max_frame_num,
-)
-from .wan.fast_camera import KeySteering
-from .wan.speed import SpeedOptions, SpeedStats
-from .wan.vae import DEFAULT_OVERLAP, check_tile
+
+def import_runtime() -> None:
+    """Import torch and the model code into this module (once). `main` does it after parsing; a library
+    caller gets it on first use of one of these names (`cli.pipeline`, see `__getattr__`), or calls it."""
+    global torch, tqdm, camera_authoring, camera_files, camera_preview, checkpoints, demo_assets, distributed
+    global fast_run, monitor, stream, text_encode, video, memplan, ExpertSwitcher, resolve_fast_dir
+    global save_comfy_latent, LoraSpec, parse_lora_spec, RequestError, check_lora_merge, check_text_dim
+    global plan_request, read_encoder_config, check_vae, load_vae, i2v, pipeline, resolve_swap_blocks
+    global FastConfig, FastSession, fast_frame_num, fast_latent_frames, KeySteering, KINDS
+    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile
+    if "torch" in globals():
+        return
+    import torch
+    from tqdm import tqdm
+
+    from .loaders import (
+        camera_authoring,
+        camera_files,
+        camera_preview,
+        checkpoints,
+        demo_assets,
+        distributed,
+        fast_run,
+        monitor,
+        stream,
+        text_encode,
+        video,
+    )
+    from .loaders import planner as memplan
+    from .loaders.experts import ExpertSwitcher
+    from .loaders.fast_checkpoint import KINDS, resolve_fast_dir
+    from .loaders.latent_file import save_comfy_latent
+    from .loaders.lora import LoraSpec, parse_lora_spec
+    from .loaders.request import RequestError, check_lora_merge, check_text_dim, plan_request
+    from .loaders.text_encoder import read_encoder_config
+    from .loaders.vae import check_vae, load_vae
+    from .wan import i2v, pipeline
+    from .wan.block_swap import resolve_swap_blocks
+    from .wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
+    from .wan.fast_camera import KeySteering
+    from .wan.speed import SpeedOptions, SpeedStats
+    from .wan.vae import DEFAULT_OVERLAP, check_tile
+
+
+def __getattr__(name: str):
+    """The model code's names for a caller using this module as a library (tests patch `cli.load_vae`)."""
+    if "torch" not in globals() and not name.startswith("__"):  # (the import system asks for __path__)
+        import_runtime()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = SampleConfig()
 
 
-def parse_size(text: str) -> int:
+class PixelArea(int):
+    """--size: upstream's pixel budget H*W that keeps the (H, W) typed; `plan` without --image takes their
+    aspect ratio for the image's."""
+
+    def __new__(cls, h: int, w: int):
+        area = super().__new__(cls, h * w)
+        area.hw = (h, w)
+        return area
+
+
+DEFAULT_SIZE = PixelArea(480, 832)  # upstream's --size default, SampleConfig.max_area
+
+
+def parse_size(text: str) -> PixelArea:
+    from .wan import i2v  # type converters run while parsing, before `import_runtime`
+
     try:
-        return i2v.parse_max_area(text)
+        return PixelArea(*i2v.parse_hw(text, "max_area"))
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"--size: {err}") from None
 
 
 def parse_lora(text: str) -> LoraSpec:
+    from .loaders.lora import parse_lora_spec
+
     try:
         return parse_lora_spec(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_generate_args(p: argparse.ArgumentParser):
-    p.add_argument("--ckpt_dir", type=Path, required=True, help="upstream layout or the NF4 repack layout")
-    p.add_argument("--image", type=Path, required=True)
-    p.add_argument("--prompt", required=True)
+def parse_gib(text: str) -> float:
+    """--vram / --ram: a positive number of GiB."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
+DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when PyTorch sees a GPU, else cpu)"
+KV_DTYPES = ["bf16", "fp8"]  # loaders.fast_run.KV_DTYPES' names, without importing torch to list them
+
+
+def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
+    """The generate arguments; `planning` (the `plan` command): no files needed (--model instead)."""
+    p.add_argument(
+        "--ckpt_dir",
+        type=Path,
+        required=not planning,
+        help="upstream layout or the NF4 repack layout" + (" (or --model: no files)" if planning else ""),
+    )
+    p.add_argument(
+        "--image",
+        type=Path,
+        required=not planning,
+        help="the first frame; its aspect ratio and --size give the video size"
+        + (" (without it: --size's own aspect ratio)" if planning else ""),
+    )
+    p.add_argument(
+        "--prompt", required=not planning, help="what the video shows" + (" (not needed)" if planning else "")
+    )
     p.add_argument("--n_prompt", default="", help="negative prompt; empty = upstream's default")
     p.add_argument(
         "--action_path", type=Path, help="folder with poses.npy + intrinsics.npy (and action.npy for Act)"
@@ -91,13 +159,33 @@ def add_generate_args(p: argparse.ArgumentParser):
         "--allow_act2cam", action="store_true", help="drive the Cam model from wasd/ijkl_action.npy"
     )
     add_preset_args(p, "--camera_preset")
-    p.add_argument("--size", type=parse_size, default=DEFAULTS.max_area, help="max pixel area, e.g. 480*832")
+    p.add_argument(
+        "--size",
+        type=parse_size,
+        default=DEFAULT_SIZE,
+        help="HEIGHT*WIDTH: the pixel budget, shaped to the image's aspect ratio (default 480*832)",
+    )
     p.add_argument("--frame_num", type=int, default=None, help=f"4n+1 frames (default {DEFAULTS.frame_num})")
     p.add_argument(
-        "--sampling_steps", "--sample_steps", dest="steps", type=int, default=DEFAULTS.sample_steps
+        "--sampling_steps",
+        "--sample_steps",
+        dest="steps",
+        type=int,
+        default=DEFAULTS.sample_steps,
+        help=f"denoising steps (default {DEFAULTS.sample_steps})",
     )
-    p.add_argument("--sample_shift", type=float, default=DEFAULTS.sample_shift)
-    p.add_argument("--boundary", type=float, default=DEFAULTS.boundary)
+    p.add_argument(
+        "--sample_shift",
+        type=float,
+        default=DEFAULTS.sample_shift,
+        help=f"noise schedule shift (default {DEFAULTS.sample_shift:g})",
+    )
+    p.add_argument(
+        "--boundary",
+        type=float,
+        default=DEFAULTS.boundary,
+        help=f"the high-noise expert runs while t >= boundary x 1000 (default {DEFAULTS.boundary})",
+    )
     p.add_argument(
         "--guide_scale",
         "--sample_guide_scale",
@@ -107,14 +195,33 @@ def add_generate_args(p: argparse.ArgumentParser):
         default=list(DEFAULTS.guide_scale),
         help="one value, or two: low-noise high-noise",
     )
-    p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=DEFAULTS.seed)
-    p.add_argument("--solver", "--sample_solver", dest="solver", choices=["unipc", "euler"], default="unipc")
-    p.add_argument("--fps", type=int, default=DEFAULTS.sample_fps)
+    p.add_argument(
+        "--seed",
+        "--base_seed",
+        dest="seed",
+        type=int,
+        default=DEFAULTS.seed,
+        help="noise seed; negative: a random one",
+    )
+    p.add_argument(
+        "--solver",
+        "--sample_solver",
+        dest="solver",
+        choices=["unipc", "euler"],
+        default="unipc",
+        help="sampler (default unipc, upstream's)",
+    )
+    p.add_argument(
+        "--fps",
+        type=int,
+        default=DEFAULTS.sample_fps,
+        help=f"the MP4's frame rate (default {DEFAULTS.sample_fps})",
+    )
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
     )
     p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--quantize", action="store_true", help="quantize bf16 experts to NF4 while loading")
     p.add_argument(
         "--lora",
@@ -136,7 +243,12 @@ def add_generate_args(p: argparse.ArgumentParser):
         help="with --quantize on bf16/fp32 experts: merge the LoRAs into the weights before quantizing "
         "(no side path at run time; changing them needs a reload)",
     )
-    p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
+    p.add_argument(
+        "--t5_mode",
+        choices=["subprocess", "inprocess"],
+        default="subprocess",
+        help="run the text encoder in a child process that exits afterwards (default), or in this one",
+    )
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument(
         "--t5_overlap",
@@ -194,23 +306,24 @@ def add_generate_args(p: argparse.ArgumentParser):
         help="training-free step cache (EasyCache): reuses the transformer's output on steps where it "
         "changes little; trades quality for speed",
     )
+    # defaults None: SpeedOptions' own (`speed_options`), which needs torch to import
     speed.add_argument(
         "--cache_threshold",
         type=float,
         nargs="+",
-        default=[SpeedOptions.cache_threshold],
+        default=None,
         help="EasyCache threshold, one value or two (low-noise high-noise); 0 = never skip",
     )
     speed.add_argument(
         "--cache_keep_first",
         type=int,
-        default=SpeedOptions.cache_keep_first,
+        default=None,
         help="steps always computed at the start of each expert's stretch",
     )
     speed.add_argument(
         "--cache_keep_last",
         type=int,
-        default=SpeedOptions.cache_keep_last,
+        default=None,
         help="steps always computed at the end of each expert's stretch",
     )
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
@@ -232,12 +345,14 @@ def add_preset_args(p: argparse.ArgumentParser, flag: str):
     p.add_argument(
         "--camera_fov",
         type=float,
-        default=camera_authoring.DEFAULT_HFOV_DEG,
+        default=camera_presets.DEFAULT_HFOV_DEG,
         help="preset's horizontal field of view in degrees",
     )
 
 
 def parse_hw(text: str) -> tuple[int, int]:
+    from .wan import i2v
+
     try:
         return i2v.parse_hw(text, "--size")
     except ValueError as err:
@@ -269,13 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(
             "camera",
             help="camera preset or pose folder -> poses.npy + intrinsics.npy and/or a preview PNG",
-            description=camera_authoring.PRESET_HELP,
+            description=camera_presets.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
-    add_generate_args(
-        sub.add_parser("plan", help="the generate arguments -> each phase's predicted peak VRAM/RAM")
+    plan = sub.add_parser(
+        "plan",
+        help="each phase's predicted peak VRAM/RAM, from the generate arguments or a model's name (no files)",
+        description=plan_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_generate_args(plan, planning=True)
+    add_plan_args(plan)
     doctor = sub.add_parser(
         "doctor", help="check the GPU, libraries and (with --ckpt_dir) the checkpoint files"
     )
@@ -295,9 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("dst", type=Path, help="the NF4 folder to write (e.g. .../lingbot_world_fast_nf4)")
     quantize.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     quantize.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="where to quantize (cuda is much faster)",
+        "--device", default=None, help=f"where to quantize (cuda is much faster): {DEVICE_HELP}"
     )
     add_fast_args(
         sub.add_parser(
@@ -308,25 +426,93 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     demo = sub.add_parser("demo", help="tiny random checkpoints on the CPU, shipped example, short MP4")
-    demo.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo")
-    demo.add_argument("--output", type=Path, default=None)
-    demo.add_argument("--overwrite", action="store_true")
+    demo.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path.home() / ".cache" / "lingbot-world-nf4" / "demo",
+        help="where the tiny checkpoints are written once and reused "
+        "(default ~/.cache/lingbot-world-nf4/demo)",
+    )
+    demo.add_argument("--output", type=Path, default=None, help="MP4 path (default: outputs/demo_<time>.mp4)")
+    demo.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     return parser
+
+
+def plan_help() -> str:
+    kinds = "\n".join(
+        f"  {k.name:<10} chunk-causal, {k.dit.num_layers} blocks of width {k.dit.dim}: "
+        f"chunks of {k.chunk_frames} latent frames, attention window "
+        + ("all" if k.local_attn_size == -1 else f"{k.local_attn_size} with a sink of {k.sink_size}")
+        for k in CHUNKED_KINDS.values()
+    )
+    return f"""Each phase's predicted peak VRAM and host RAM, before anything loads; with a GPU (this
+machine's, or --vram), whether the run fits it, and if not, the settings that would (exit 2).
+
+From the files: the generate arguments (--ckpt_dir, --image, --size, --frame_num, --swap_blocks, ...).
+Before downloading: --model names a known model, sized from its architecture with NF4 weights:
+  base-cam   the two A14B experts `generate` runs
+{kinds}
+(for those, --local_attn_size, --sink_size and --kv_dtype change the attention window and cache)
+--vram GiB (and --ram GiB) plan for a card (and host) this machine need not have.
+
+  python lingbot.py plan --model base-cam --size 720*1280 --frame_num 161 --vram 12
+  python lingbot.py plan --model v2-14b --size 480*832 --frame_num 161 --vram 24
+"""
+
+
+def add_plan_args(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--model",
+        choices=["base-cam", *CHUNKED_KINDS],
+        help="plan a known model from its architecture (NF4 weights), without its files",
+    )
+    p.add_argument(
+        "--vram",
+        type=parse_gib,
+        metavar="GiB",
+        help="free VRAM of the card to plan for (default: this machine's GPU, if any)",
+    )
+    p.add_argument(
+        "--ram",
+        type=parse_gib,
+        metavar="GiB",
+        help="available host RAM to plan for (default: this machine's, unless --vram names another card)",
+    )
+    chunked = p.add_argument_group("chunked models (--model fast, v2-14b, v2-1.3b)")
+    chunked.add_argument(
+        "--local_attn_size",
+        type=int,
+        default=None,
+        help="latent frames the attention cache keeps, sink included (-1: all; default: the model's, above)",
+    )
+    chunked.add_argument(
+        "--sink_size",
+        type=int,
+        default=None,
+        help="latent frames at the start the window never evicts (default: the model's, above)",
+    )
+    chunked.add_argument(
+        "--kv_dtype", choices=KV_DTYPES, default="bf16", help="attention cache dtype (fp8 halves it)"
+    )
 
 
 LEAN_CHOICES = {"on": True, "off": False, "auto": "auto"}
 
 
 def speed_options(args) -> SpeedOptions:
-    thresholds = args.cache_threshold
+    """The speed flags; those left out (None) take SpeedOptions' defaults."""
+    base = SpeedOptions()
+    thresholds = args.cache_threshold or [base.cache_threshold]
     try:
         return SpeedOptions(
             attention=args.attention,
             compile=args.compile,
             cache=None if args.cache == "none" else args.cache,
             cache_threshold=thresholds[0] if len(thresholds) == 1 else (thresholds[0], thresholds[-1]),
-            cache_keep_first=args.cache_keep_first,
-            cache_keep_last=args.cache_keep_last,
+            cache_keep_first=base.cache_keep_first
+            if args.cache_keep_first is None
+            else args.cache_keep_first,
+            cache_keep_last=base.cache_keep_last if args.cache_keep_last is None else args.cache_keep_last,
             lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
         )
     except ValueError as err:  # each message starts with the option's name
@@ -374,9 +560,10 @@ def resolve_device(text: str) -> torch.device:
         raise ValueError(f"--device: only cpu and cuda are supported, got {text!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
+            from .loaders.doctor import no_gpu_reason
+
             raise ValueError(
-                f"--device {text}: CUDA is not available to this PyTorch ({torch.__version__}); "
-                "use --device cpu or install a CUDA build of PyTorch"
+                f"--device {text}: CUDA is not available: {no_gpu_reason()}; or use --device cpu"
             )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
@@ -495,36 +682,55 @@ def vae_tile(text: str):
     return (th, tw)
 
 
-def memory_check(args, files, tile, device, free=True) -> memplan.MemoryCheck:
-    """The planner's inputs from the generate arguments; `free`: check against the device's free memory."""
+def machine_memory(device) -> tuple:
+    """(free VRAM, available RAM) bytes of this machine for a run on `device`; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    vram, ram = memplan.free_memory(device)
+    if ram is not None:
+        ram += memplan.PROCESS_RAM  # this process's own share is already in the plan's figures
+    return vram, ram
+
+
+def memory_check(args, files, tile, device, free=True, budget=None) -> memplan.MemoryCheck:
+    """The planner's inputs from the generate arguments; `free`: check against the device's free memory,
+    or against `budget` ((VRAM, RAM) bytes, None where unknown) when given. `files` None (`plan --model
+    base-cam`): two NF4 A14B experts sized from their architecture and upstream's umT5."""
+    if files is None:
+        nf4 = fast_run.nf4_bytes(A14B)
+        experts, t5_bytes = {"high": nf4, "low": nf4}, memplan.T5_DEFAULT_BYTES
+    else:
+        experts = {e: source.nbytes for e, source in files.sources.items()}
+        t5_bytes = files.text_encoder.stat().st_size
     request = memplan.MemoryRequest(
-        expert_bytes={e: source.nbytes for e, source in files.sources.items()},
+        expert_bytes=experts,
         lora_bytes=memplan.lora_bytes(args.lora),
         swap_blocks=getattr(args, "swap_blocks", 0),
         vae_tile=tile,
         t5_mode=args.t5_mode,
         t5_device="cpu" if args.t5_cpu else device.type,
-        t5_bytes=files.text_encoder.stat().st_size,
+        t5_bytes=t5_bytes,
         t5_overlap={"on": True, "off": False}.get(args.t5_overlap, "auto"),
     )
-    vram, ram = memplan.free_memory(device) if free and device.type == "cuda" else (None, None)
-    if ram is not None:
-        ram += memplan.PROCESS_RAM  # this process's own share is already in the plan's figures
-    return memplan.MemoryCheck(request, device.type, vram, free_ram=ram)
+    vram, ram = budget if budget is not None else machine_memory(device) if free else (None, None)
+    return memplan.MemoryCheck(request, "cuda" if vram is not None else device.type, vram, free_ram=ram)
 
 
 def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     """Everything a user can get wrong, checked before any model loads, memory included. `planning`: for
     `plan`, which starts no ranks: --ulysses_size N is planned for N ranks without a process group."""
-    device = resolve_device(args.device)
-    files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
-    text_dim = read_encoder_config(files.text_encoder)["dim"]
-    check_vae(files.vae)
-    if getattr(args, "lora_merge", False):
-        check_lora_merge(files.sources, args.quantize, args.lora)
+    device = plan_device(args) if planning else resolve_device(args.device)
+    files, config, text_dim = None, A14B, None
+    if not getattr(args, "model", None):  # `plan --model base-cam`: the architecture, no files
+        files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
+        config, text_dim = files.config, read_encoder_config(files.text_encoder)["dim"]
+        check_vae(files.vae)
+        if getattr(args, "lora_merge", False):
+            check_lora_merge(files.sources, args.quantize, args.lora)
     tile = vae_tile(args.vae_tile)
-    image = load_image(args.image)
-    cam_input = camera_input(args, image.shape[1:])
+    image = load_image(args.image) if args.image else None  # optional for `plan`
+    image_hw = args.size.hw if image is None else image.shape[1:]
+    cam_input = camera_input(args, image_hw)
     settings = SampleConfig(
         sample_shift=args.sample_shift,
         sample_steps=args.steps,
@@ -536,8 +742,8 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
         seed=i2v.resolve_seed(args.seed),
     )
     plan = plan_request(
-        image.shape[1:],
-        files.config,
+        image_hw,
+        config,
         settings,
         camera=cam_input,
         frame_num=args.frame_num,
@@ -554,23 +760,123 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     return device, files, tile, image, plan
 
 
+def plan_device(args):
+    """The device `plan` plans for: a CUDA card with --vram (this machine need not have one), else
+    --device."""
+    return torch.device("cuda") if args.vram is not None else resolve_device(args.device)
+
+
+def plan_budget(args, device) -> tuple:
+    """(free VRAM, available RAM) bytes `plan` checks against: --vram / --ram, for a card and host this
+    machine need not have; else this machine's GPU and RAM. None where unknown (not checked)."""
+    if args.vram is not None:  # another card: this host's RAM says nothing about its host
+        vram, ram = int(args.vram * memplan.GIB), None
+    else:
+        vram, ram = machine_memory(device)
+    if args.ram is not None:
+        ram = int(args.ram * memplan.GIB)
+    return vram, ram
+
+
+def fits_line(args, device, vram, ram) -> str:
+    where = " (--vram)" if args.vram is not None else f" free on {device}"
+    parts = [] if vram is None else [f"{vram / memplan.GIB:.1f} GiB of VRAM{where}"]
+    if ram is not None:
+        parts.append(f"{ram / memplan.GIB:.1f} GiB of RAM" + (" (--ram)" if args.ram is not None else ""))
+    return "fits: " + " and ".join(parts)
+
+
+NO_GPU_NOTE = (
+    "(VRAM figures are for a CUDA device; on the CPU everything lives in RAM; --vram GiB checks a card)"
+)
+
+
 def run_plan(args) -> int:
-    """`plan`: the table of predicted peaks; on a GPU, whether it fits the free memory (exit 2 if not)."""
+    """`plan`: the table of predicted peaks; with a GPU (this machine's, or --vram), whether the run fits
+    (exit 2 if not). From the files (--ckpt_dir), or from a model's name (--model) before downloading."""
+    if (args.model is None) == (args.ckpt_dir is None):
+        raise ValueError("plan: give --ckpt_dir DIR (the files) or --model NAME (before downloading them)")
     if args.parallel == "auto":
         args.ulysses_size = distributed.requested_size(args.ulysses_size, args.parallel)
+    if args.model in CHUNKED_KINDS:
+        return run_plan_chunked(args, CHUNKED_KINDS[args.model])
     device, files, tile, _, plan = prepare_generate(args, check_memory=False, planning=True)
-    if device.type != "cuda":
+    if files is None:
+        expert = plan.memory.planner.request.expert_bytes["high"]
+        print(
+            f"{args.model}, from its architecture: two NF4 A14B experts of {expert / memplan.GIB:.2f} GiB, "
+            f"umT5-XXL {memplan.T5_DEFAULT_BYTES / memplan.GIB:.2f} GiB (bf16)"
+        )
+    vram, ram = plan_budget(args, device)
+    if vram is None and ram is None:
         print(plan.memory.table())
-        print("(VRAM figures are for a CUDA device; on the CPU everything lives in RAM)")
+        print(NO_GPU_NOTE)
         return 0
-    check = memory_check(args, files, tile, device)
+    check = memory_check(args, files, tile, device, budget=(vram, ram))
     try:  # the plan for this card's free memory: its 'auto' settings as the run would resolve them
         fitted = check.run(plan.memory.planner)
     except memplan.MemoryPlanError:
-        print(plan.memory.table())
+        print(plan.memory.planner.plan(vram).table())  # as planned for this card ('auto' settings resolved)
         raise  # exit 2 with the settings that fit
     print(fitted.table())
-    print(f"fits: {check.free_vram / memplan.GIB:.1f} GiB of VRAM free on {device}")
+    print(fits_line(args, device, vram, ram))
+    return 0
+
+
+def run_plan_chunked(args, kind) -> int:
+    """`plan --model fast|v2-14b|v2-1.3b`: the text encoder's peak, then the chunk loop's (model, attention
+    caches, a chunk's work: what `fast` checks before it loads), from the architecture with NF4 weights."""
+    if args.ulysses_size != 1:
+        raise ValueError("--ulysses_size: the chunked models are planned on one GPU")
+    if args.ram is not None:
+        raise ValueError("--ram: the chunked models' plan predicts VRAM only")
+    try:
+        config = fast_run.fast_config(
+            None, DEFAULTS.seed, args.local_attn_size, args.sink_size, args.kv_dtype, kind
+        )
+        swap = resolve_swap_blocks(args.swap_blocks, kind.dit.num_layers)
+        asked = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
+        lat_f = fast_latent_frames(asked, kind.chunk_frames)
+        frames = fast_frame_num(asked, kind.chunk_frames)
+        local, sink, chunk = config.local_attn_size, config.sink_size, config.chunk_frames
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+    device = plan_device(args)
+    image_hw = load_image(args.image).shape[1:] if args.image else args.size.hw
+    try:
+        lat_h, lat_w, h, w = i2v.latent_size(*image_hw, args.size)
+    except ValueError as err:
+        raise ValueError(f"--size: {err}") from None
+    model, shape, tile = fast_run.ChunkedModel.of_kind(kind), (lat_f, lat_h, lat_w), vae_tile(args.vae_tile)
+    need = fast_run.fast_memory(model, shape, config, None, swap, tile)
+    text = 0 if args.t5_cpu else memplan.T5_DEFAULT_BYTES + memplan.T5_WORKING
+    gib = memplan.GIB
+    window = "all" if local == -1 else f"{local}, sink {sink}"
+    made = f"{frames} frames" + (f" ({asked} asked: whole chunks)" if frames != asked else "")
+    print(
+        f"memory plan: {kind.name} (NF4 weights, from its architecture), {made} at {h}*{w}: "
+        f"{lat_f // chunk} chunks of {chunk} latent frames; attention window {window}, K/V {args.kv_dtype}, "
+        f"swap_blocks {swap}"
+    )
+    print(f"{'phase':<13} {'peak VRAM':>10}")
+    where = "CPU" if args.t5_cpu else "GPU"
+    print(f"{'text_encode':<13} {text / gib:>6.2f} GiB  umT5 on the {where}, done before the model loads")
+    print(
+        f"{'chunks':<13} {need.peak / gib:>6.2f} GiB  model {need.model / gib:.2f} + attention caches "
+        f"{need.caches / gib:.2f} + a chunk's work {need.work / gib:.2f} GiB"
+    )
+    print(f"{'peak':<13} {max(text, need.peak) / gib:>6.2f} GiB")
+    vram, _ = plan_budget(args, device)
+    if vram is None:
+        print(NO_GPU_NOTE)
+        return 0
+    issue = fast_run.fast_fit_issue(model, shape, config, None, swap, vram, tile)
+    if text > vram:
+        t5 = f"text_encode needs {text / gib:.1f} GiB, more than {vram / gib:.1f} GiB free; add --t5_cpu"
+        issue = t5 if issue is None else f"{issue}; {t5}"
+    if issue is not None:
+        raise ValueError(f"memory: {issue}")
+    print(fits_line(args, device, vram, None))
     return 0
 
 
@@ -681,7 +987,7 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
     print(log.table())
     print(stats.summary())
     print(
-        f"wrote {output} ({plan.frame_num} frames, {w}x{h}, {settings.sample_fps} fps, seed {settings.seed})"
+        f"wrote {output} ({plan.frame_num} frames, {h}*{w}, {settings.sample_fps} fps, seed {settings.seed})"
     )
     write_report(args.report, log)
     return 0
@@ -770,7 +1076,7 @@ def add_fast_args(p: argparse.ArgumentParser):
     )
     p.add_argument(
         "--model",
-        choices=MODEL_CHOICES,
+        choices=("auto", *CHUNKED_KINDS),
         default="auto",
         help="which model the checkpoint is: auto (detected from its files), fast (v1), v2-14b, v2-1.3b",
     )
@@ -780,7 +1086,7 @@ def add_fast_args(p: argparse.ArgumentParser):
         help="folder with the text encoder, tokenizer and VAE when --ckpt_dir lacks them (the v2 1.3B: "
         "the v2 14B folder)",
     )
-    p.add_argument("--image", type=Path, required=True)
+    p.add_argument("--image", type=Path, required=True, help="the first frame")
     p.add_argument("--prompt", required=True, help="no negative prompt: Fast runs without CFG")
     p.add_argument(
         "--keys", metavar="FILE|-", help="steer with act2cam keys, one line per chunk ('-': stdin)"
@@ -804,7 +1110,14 @@ def add_fast_args(p: argparse.ArgumentParser):
         f"{max_frame_num(4)} for v2); rounded down to whole chunks (v1 Fast: 3 latent frames, 81 -> 81, "
         "161 -> 153; v2: 4, 81 -> 77); with --keys - the most the clip may run",
     )
-    p.add_argument("--seed", "--base_seed", dest="seed", type=int, default=FastConfig.seed)
+    p.add_argument(
+        "--seed",
+        "--base_seed",
+        dest="seed",
+        type=int,
+        default=DEFAULTS.seed,
+        help="noise seed; negative: a random one",
+    )
     p.add_argument(
         "--sample_shift",
         type=float,
@@ -824,7 +1137,7 @@ def add_fast_args(p: argparse.ArgumentParser):
     )
     p.add_argument(
         "--kv_dtype",
-        choices=list(fast_run.KV_DTYPES),
+        choices=KV_DTYPES,
         default="bf16",
         help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy",
     )
@@ -839,8 +1152,13 @@ def add_fast_args(p: argparse.ArgumentParser):
     )
     p.add_argument("--frames_dir", type=Path, help="also write each chunk's frames as PNGs here as they come")
     p.add_argument("--overwrite", action="store_true", help="replace --output (and --frames_dir PNGs)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument(
+        "--t5_mode",
+        choices=["subprocess", "inprocess"],
+        default="subprocess",
+        help="run the text encoder in a child process that exits afterwards (default), or in this one",
+    )
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="auto", help="VAE tiles: 'auto', 'none' or H,W in latent pixels")
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
@@ -914,7 +1232,7 @@ def run_fast(args) -> int:
         )
     need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
     print(
-        f"{title}: {lat_f // chunk} chunks, {frames} frames at {w}x{h}, window {config.local_attn_size} / sink "
+        f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
         f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
         f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
     )
@@ -958,7 +1276,7 @@ def run_fast(args) -> int:
     finally:
         writer.abort()  # no partial MP4 (nothing to do once closed)
     print(log.table())
-    print(f"wrote {output} ({sink.count} frames, {w}x{h}, {fast_run.REAL_TIME_FPS} fps, seed {config.seed})")
+    print(f"wrote {output} ({sink.count} frames, {h}*{w}, {fast_run.REAL_TIME_FPS} fps, seed {config.seed})")
     write_report(args.report, log)
     return 0
 
@@ -1054,6 +1372,18 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises `Terminated` in the block, which `main` ends like Ctrl-C (exit 143). Only the CLI's own
+    entry (lingbot.py, the `lingbot-world` script) installs it: `main` called as a library leaves the signal
+    to its caller, so a test runner that gets SIGTERM still stops."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument shapes argparse cannot express; reported the argparse way (usage, `error:`, exit 2)."""
     if getattr(args, "t5_overlap", None) == "on":
@@ -1085,7 +1415,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        import_runtime()
+    except KeyboardInterrupt as err:
+        print("interrupted while starting", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
+    if getattr(args, "device", "") is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         if args.command == "demo":
             return run_demo(args)
@@ -1117,5 +1453,3 @@ def main(argv=None) -> int:
     except text_encode.EncoderProcessError as err:  # the child's status and last lines, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -33,15 +33,19 @@ def load_pack(name: str = PACKAGE):
 
 
 def main(argv=None) -> int:
-    """Also the `lingbot-world` console script: the heavy imports (torch) happen in here, so Ctrl-C
-    while they load ends as an interrupt (exit 130), not a traceback."""
+    """Also the `lingbot-world` console script. The CLI imports torch once the arguments parse (so --help
+    is instant), and ends Ctrl-C while it loads as an interrupt (exit 130), not a traceback. SIGTERM is
+    handled like Ctrl-C (exit 143) here, in the command's own process only, not where `cli.main` runs
+    as a library (tests)."""
     try:
         load_pack()
         from lingbot_world.cli import main as cli_main
+        from lingbot_world.cli import sigterm_as_interrupt
     except KeyboardInterrupt:
         print("interrupted while starting", file=sys.stderr)
         return 130
-    return cli_main(argv)
+    with sigterm_as_interrupt():
+        return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Each check returns a `Check` (name, ok, what was found or what to fix); `main` p
 returns 1 when any check failed (a --device that names no CUDA device is a ValueError first).
 """
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,14 +20,28 @@ class Check:
     detail: str
 
 
+def no_gpu_reason() -> str:
+    """Why PyTorch sees no GPU, told apart: a CPU-only build (a GPU build is needed), or a GPU build that
+    finds no device (the driver, CUDA_VISIBLE_DEVICES or the container's flags hide it)."""
+    cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
+    if cuda is None and hip is None:
+        return (
+            f"PyTorch {torch.__version__} is a CPU-only build; install a CUDA build (on Linux the default "
+            "`pip install torch`, or a given CUDA version from https://download.pytorch.org/whl/cu1XX) "
+            "and an NVIDIA driver"
+        )
+    build = f"CUDA {cuda}" if cuda else f"ROCm {hip}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (
+        f"PyTorch {torch.__version__} is a GPU build ({build}) but sees no GPU: check that the driver is "
+        f"loaded (nvidia-smi), CUDA_VISIBLE_DEVICES (now {'unset' if visible is None else repr(visible)}) "
+        "and, in a container, that it was started with the GPUs (docker run --gpus all)"
+    )
+
+
 def check_gpu(device: str = "cuda") -> Check:
     if not torch.cuda.is_available():
-        return Check(
-            "GPU",
-            False,
-            f"no CUDA device visible to PyTorch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}); "
-            "install a CUDA build of PyTorch and an NVIDIA driver, or run with --device cpu (very slow)",
-        )
+        return Check("GPU", False, f"{no_gpu_reason()}; or run with --device cpu (very slow)")
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     driver = getattr(torch.cuda, "driver_version", None)

@@ -16,7 +16,7 @@ import torch
 
 from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
-from ..wan.config import CHUNKED_KINDS, ChunkedKind, SampleConfig
+from ..wan.config import A14B, CHUNKED_KINDS, ChunkedKind, DiTConfig, SampleConfig
 from ..wan.fast import (
     CHUNK_FRAMES,
     LATENT_CHANNELS,
@@ -31,7 +31,7 @@ from ..wan.pipeline import frames_to_uint8
 from .camera_files import CameraInput
 from .experts import ExpertSwitcher
 from .fast_checkpoint import FastFiles
-from .formats import ExpertSource
+from .formats import ExpertSource, expected_layout
 from .planner import (
     DECODE_MIN_TILE,
     ENCODE_RAM_BASE,
@@ -160,16 +160,46 @@ class FastModel:
         self._switcher.close()
 
 
+def _tensor_bytes(shape, quantize: bool | None) -> int:
+    """bf16, or for a 2-D (Linear) weight quantized to NF4 ~4.1 bits: the 4-bit codes and the 8-bit
+    absmax per 64 (double quant)."""
+    n = math.prod(shape)
+    return n * 33 // 64 if quantize and len(shape) == 2 else 2 * n
+
+
 def device_bytes(source: ExpertSource, quantize: bool | None) -> int:
     """Device bytes of the loaded model (to ask the host for room): as stored for an NF4 folder; else bf16,
     with the 2-D (Linear) weights at ~4.1 bits when quantized while loading."""
     if source.quantized:
         return source.nbytes
-    total = 0
-    for ref in source.tensors.values():
-        n = math.prod(ref.shape)
-        total += n * 33 // 64 if quantize and len(ref.shape) == 2 else 2 * n
-    return total
+    return sum(_tensor_bytes(ref.shape, quantize) for ref in source.tensors.values())
+
+
+def nf4_bytes(config: DiTConfig) -> int:
+    """Device bytes of an NF4 model of this architecture, before any file exists (`plan --model`): the
+    Linear weights as `device_bytes` counts them quantized, every other tensor in bf16."""
+    params, linears = expected_layout(config)
+    return sum(_tensor_bytes(shape, True) for shape in [*linears.values(), *params.values()])
+
+
+@dataclass(frozen=True)
+class ChunkedModel:
+    """What the chunk loop's memory depends on besides its FastConfig: the DiT's architecture and its bytes
+    on the device; from a Fast folder (`chunked_model`) or a model's name (`of_kind`)."""
+
+    config: DiTConfig
+    nbytes: int
+
+    @classmethod
+    def of_kind(cls, kind: ChunkedKind) -> "ChunkedModel":
+        return cls(kind.dit, nf4_bytes(kind.dit))
+
+
+def chunked_model(files, quantize: bool | None) -> ChunkedModel:
+    """`files`: a FastFiles (its model as loaded, quantized or not) or a ChunkedModel already."""
+    if isinstance(files, ChunkedModel):
+        return files
+    return ChunkedModel(files.config, device_bytes(files.source, quantize))
 
 
 # ------------------------------------------------------------------------------------------- keys
@@ -352,20 +382,28 @@ class FastMemory:
 
 
 def fast_memory(
-    files: FastFiles, lat_shape: tuple, config: FastConfig, quantize: bool | None, swap: int, tile=None
+    files: FastFiles | ChunkedModel,
+    lat_shape: tuple,
+    config: FastConfig,
+    quantize: bool | None,
+    swap: int,
+    tile=None,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
-    encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept."""
-    cfg = files.config
+    encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept. `files`: a
+    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files)."""
+    m = chunked_model(files, quantize)
+    cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
-    chunk = config.chunk_frames
     frames, pixels = (lat_f - 1) * 4 + 1, lat_h * lat_w * 64
     tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
-    model = expert_vram(device_bytes(files.source, quantize), cfg.num_layers, swap)
+    model = expert_vram(m.nbytes, cfg.num_layers, swap)
     fixed = tile if isinstance(tile, tuple) else None
     decode = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True)
-    work = max(tokens * FAST_CHUNK_PER_TOKEN, decode)
+    # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
+    scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
+    work = max(int(tokens * FAST_CHUNK_PER_TOKEN * scale), decode)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
     least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
@@ -376,7 +414,7 @@ def fast_memory(
 
 
 def fast_fit_issue(
-    files: FastFiles,
+    files: FastFiles | ChunkedModel,
     lat_shape: tuple,
     config: FastConfig,
     quantize: bool | None,
@@ -389,6 +427,7 @@ def fast_fit_issue(
     with the predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block
     swap)."""
     gib = 1 << 30
+    files = chunked_model(files, quantize)
     need = fast_memory(files, lat_shape, config, quantize, swap, tile)
     frames = (lat_shape[0] - 1) * 4 + 1
     if free_ram is not None and need.ram > free_ram:

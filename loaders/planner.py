@@ -332,7 +332,7 @@ class MemoryPlan:
     def table(self) -> str:
         h, w = self.size[2:]
         lines = [
-            f"memory plan: {self.frame_num} frames at {w}x{h} ({self.tokens:,} tokens), "
+            f"memory plan: {self.frame_num} frames at {h}*{w} ({self.tokens:,} tokens), "
             f"swap_blocks {self.swap_blocks}, VAE tile {_tile_text(self.vae_tile)}"
             + (", lean activations" if self.lean_activations else ""),
             f"{'phase':<13} {'peak VRAM':>10} {'peak RAM':>10}",
@@ -348,8 +348,9 @@ class MemoryPlan:
             lines.append(f"{p.name:<13} {p.vram / GIB:>6.2f} GiB {p.ram / GIB:>6.2f} GiB{note}")
         lines.append(f"{'peak':<13} {self.peak_vram / GIB:>6.2f} GiB {self.peak_ram / GIB:>6.2f} GiB")
         if self.ranks > 1:
+            others = "rank 1" if self.ranks == 2 else f"ranks 1-{self.ranks - 1}"
             lines.append(
-                f"ranks 1-{self.ranks - 1}: {self.rank_peak_vram / GIB:.2f} GiB of VRAM each (the denoise; "
+                f"{others}: {self.rank_peak_vram / GIB:.2f} GiB of VRAM each (the denoise; "
                 "rank 0 alone encodes the text and runs the VAE)"
             )
         return "\n".join(lines)

@@ -8,6 +8,9 @@ sys.path.insert(0, str(ROOT))
 from lingbot import load_pack  # noqa: E402
 
 load_pack()  # tests import the pack as `lingbot_world`, as the CLI does
+from lingbot_world import cli  # noqa: E402
+
+cli.import_runtime()  # tests call the CLI's functions directly (`cli.main` imports this after parsing)
 
 
 def _find_examples() -> Path | None:

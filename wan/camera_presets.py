@@ -34,10 +34,10 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.spatial.transform import Rotation
 
+# scipy and torch (through .i2v) load on first use: `lingbot.py camera --help` shows this module's
+# docstring without them
 from .config import INTRINSICS_SIZE, SampleConfig
-from .i2v import frame_num_issue
 
 UP = np.array([0.0, -1.0, 0.0])  # world vertical in OpenCV axes (y points down)
 DEFAULT_HFOV_DEG = 80.0  # close to upstream's examples/00 (fx = 503 px at 832 wide)
@@ -199,6 +199,8 @@ def parse_preset(text: str) -> list:
 
 
 def _rot(axis, degrees: float) -> np.ndarray:
+    from scipy.spatial.transform import Rotation
+
     return Rotation.from_rotvec(np.asarray(axis, dtype=np.float64) * math.radians(degrees)).as_matrix()
 
 
@@ -242,6 +244,8 @@ def segment_pose(seg: Segment, R0: np.ndarray, c0: np.ndarray, zoom0: float, f: 
 def allot_frames(segments: list, frame_num: int | None, text: str = "") -> tuple[list, int, int]:
     """(steps per segment, frame_num, held steps at the end). frame_num None: 81 when a segment has no
     count, else the counts' total rounded up to 4n+1."""
+    from .i2v import frame_num_issue
+
     fixed = sum(s.frames for s in segments if s.frames is not None)
     free = [i for i, s in enumerate(segments) if s.frames is None]
     if frame_num is None:

@@ -2,12 +2,9 @@
 
 from dataclasses import dataclass
 
-import torch
-
 NUM_TRAIN_TIMESTEPS = 1000
 VAE_STRIDE = (4, 8, 8)
 PATCH_SIZE = (1, 2, 2)
-T5_DTYPE = torch.bfloat16
 TEXT_LEN = 512
 # Intrinsics in poses/intrinsics.npy are given at this pixel size (upstream hard-codes it).
 INTRINSICS_SIZE = (480, 832)
@@ -66,6 +63,14 @@ class ChunkedKind:
     sink_size: int  # latent frames at the start the window never evicts
 
 
+ROPE_FRAMES = 1024  # rows of the chunked models' RoPE tables: the longest clip in latent frames
+
+
+def max_frame_num(chunk: int) -> int:
+    """The longest chunked clip in video frames: whole chunks of `chunk` latent frames within the RoPE table."""
+    return (ROPE_FRAMES - ROPE_FRAMES % chunk - 1) * VAE_STRIDE[0] + 1
+
+
 # v1 Fast keeps upstream's CLI defaults (unbounded cache); v2's documented run is window 18, sink 6.
 CHUNKED_KINDS = {
     k.name: k
@@ -92,3 +97,13 @@ class SampleConfig:
     solver: str = "unipc"
     negative_prompt: str = NEGATIVE_PROMPT
     seed: int = 42
+
+
+def __getattr__(name: str):
+    """T5_DTYPE (torch.bfloat16) without importing torch here: the command line builds its parser from
+    this module, and `--help` answers without loading torch."""
+    if name == "T5_DTYPE":
+        import torch
+
+        return torch.bfloat16
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

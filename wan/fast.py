@@ -34,22 +34,22 @@ import torch
 import torch.nn.functional as F
 
 from . import i2v
-from .config import NUM_TRAIN_TIMESTEPS, PATCH_SIZE, VAE_STRIDE, ChunkedKind, DiTConfig
+from .config import (
+    NUM_TRAIN_TIMESTEPS,
+    PATCH_SIZE,
+    ROPE_FRAMES,
+    VAE_STRIDE,
+    ChunkedKind,
+    DiTConfig,
+    max_frame_num,
+)
 from .dit import attention, linear, rope_apply
 from .pipeline import Hooks
 from .schedulers import sampling_sigmas
 
 CHUNK_FRAMES = 3  # v1 Fast's latent frames per chunk (upstream hard-codes 3; v2 uses 4)
-ROPE_FRAMES = 1024  # rows of the RoPE tables: the longest clip in latent frames
 LATENT_CHANNELS = 16
-
-
-def max_frame_num(chunk: int = CHUNK_FRAMES) -> int:
-    """The longest clip in video frames: whole chunks within the RoPE table (v1 Fast: 1023 latent frames)."""
-    return (ROPE_FRAMES - ROPE_FRAMES % chunk - 1) * VAE_STRIDE[0] + 1
-
-
-MAX_FRAME_NUM = max_frame_num()
+MAX_FRAME_NUM = max_frame_num(CHUNK_FRAMES)
 
 
 def _positive_int(value, name: str) -> int:

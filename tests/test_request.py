@@ -417,6 +417,46 @@ def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
     return out["samples"]
 
 
+def test_sampler_node_asks_comfyui_for_the_planners_denoise_figure(
+    nf4_ckpt, shipped_example, tmp_path, fake_comfy
+):
+    """Before loading each expert the sampler node asks ComfyUI's free_memory for the planner's denoise
+    figure: the expert's swap-reduced weights (`expert_vram`) plus the activations, for any swap_blocks
+    (swapping 24 or all 40 blocks asked too little, or a negative amount, when the whole expert was
+    subtracted from a figure that counts only its resident part)."""
+    import shutil
+
+    from lingbot_world.loaders import planner as memplan
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.wan import i2v
+
+    config = replace(checkpoints.resolve_checkpoint_dir(nf4_ckpt).config, num_layers=40)
+    ckpt = tmp_path / "deep"
+    synthetic.write_nf4_expert(ckpt / "high_noise_model_bnb_nf4", config, seed=1)
+    synthetic.write_nf4_expert(ckpt / "low_noise_model_bnb_nf4", config, seed=2)
+    for name in ("models_t5_umt5-xxl-enc-bf16.pth", "Wan2.1_VAE.pth", "tokenizer"):
+        (shutil.copytree if (nf4_ckpt / name).is_dir() else shutil.copy)(nf4_ckpt / name, ckpt / name)
+    nodes = fake_comfy(ckpt, tmp_path)
+    calls = nodes.memory.mm.free_memory_calls
+    act = memplan.activation_vram(i2v.seq_len(3, 6, 14), config)  # 9 frames at 64*112: a 3x6x14 latent
+    asked = {}
+    for swap in (0, 24, 40):
+        (experts,) = nodes.LingBotExpertsLoader().load(
+            "", "", False, 0.0, ckpt_dir=str(ckpt), swap_blocks=swap
+        )
+        calls.clear()
+        assert _node_latent(nodes, experts, shipped_example).shape == (1, 16, 3, 6, 14)
+        want = [
+            (memplan.expert_vram(experts.nbytes[e], 40, swap) + act, torch.device("cpu"))
+            for e in ("high", "low")
+        ]
+        assert calls == want, swap
+        asked[swap] = calls[0][0]
+    block = experts.nbytes["high"] // 40
+    assert asked[0] - asked[24] == 22 * block  # 24 swapped, 2 of them in flight
+    assert asked[40] == experts.nbytes["high"] - 38 * block + act > 0  # the other 38 in host RAM
+
+
 def test_lora_node_merges_before_quantizing_as_the_cli_does(
     nf4_ckpt, shipped_example, tmp_path, fake_comfy, capsys
 ):

@@ -311,6 +311,9 @@ class MemoryPlan:
     lean_activations: bool = False  # the denoise figures are for lean blocks ('auto' resolved)
     budget: int | None = None  # the free VRAM it was planned for ('auto' settings resolved against it)
     text_overlap: bool = False  # text_encode's figures are the T5 child's beside the encode and first load
+    # the denoise's VRAM beyond the resident expert's weights (`expert_vram`, swap-reduced): the larger
+    # expert's LoRA plus the activations (VAE and latents included); resident weights + this = the figure
+    working_vram: int = 0
 
     @property
     def peak_vram(self) -> int:
@@ -438,14 +441,16 @@ class Planner:
         swap = r.swap_blocks
         if swap == "auto":
             swap = self._auto_swap(act, lora, auto_budget)
-        denoise = []
+        denoise, work = [], 0
         for name in ("high", "low"):
             nbytes = int(r.expert_bytes[name])
             weights = expert_vram(nbytes, cfg.num_layers, swap)
             pinned = int(swap) * (nbytes // max(cfg.num_layers, 1))  # host copies of the swapped blocks
             # with swap the expert is assembled in host RAM first (loaders.experts), beside those copies
             assembled = nbytes if swap else 0
-            vram = weights + int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
+            extra = int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
+            work = max(work, extra)
+            vram = weights + extra
             note = f"expert {nbytes / GIB:.2f} GiB" + (
                 f" (assembled in host RAM), {swap} blocks in pinned RAM" if swap else ""
             )
@@ -486,6 +491,7 @@ class Planner:
             lean_activations=bool(lean),
             budget=budget,
             text_overlap=overlap,
+            working_vram=int(work),
         )
 
     def _text_overlap(

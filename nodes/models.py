@@ -10,6 +10,7 @@ from ..loaders.experts import ExpertSwitcher
 from ..loaders.formats import CONFIG, DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, find_experts
 from ..loaders.lora import EXPERTS as LORA_EXPERTS
 from ..loaders.lora import LoraSpec
+from ..loaders.planner import expert_vram
 from ..loaders.request import RequestError, check_lora_merge, expert_pair_config
 from ..wan.config import DiTConfig
 from . import memory
@@ -137,9 +138,7 @@ class ExpertsHandle:
 
     def resident_bytes(self, name: str) -> int:
         """Device bytes of expert `name` while resident: with swap, the unswapped blocks plus two in flight."""
-        layers = self.config.num_layers
-        n = min(self.swap_blocks, layers)
-        return self.nbytes[name] * min(layers, layers - n + 2 * bool(n)) // max(layers, 1)
+        return expert_vram(self.nbytes[name], self.config.num_layers, self.swap_blocks)
 
     def release(self) -> None:
         """After sampling: park the expert in RAM if keep_in_ram_gb allows, else drop it."""

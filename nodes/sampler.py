@@ -306,13 +306,12 @@ class LingBotSampler:
             raise ValueError(f"{WIDGETS.get(e.param, e.param)}: {e.detail}") from None
         size, frame_num = plan.size, plan.frame_num
         log.info("LingBot-World %s", plan.memory.table())
-        work = max(plan.memory.phase(f"denoise_{e}").vram - experts.nbytes[e] for e in ("high", "low"))
         hooks, phases = memory.sampling_hooks(steps)
         stats = SpeedStats()
         try:
             latent = pipeline.sample(
                 vae=vae,
-                experts=experts.provider(device, work, plan.loras),
+                experts=experts.provider(device, plan.memory.working_vram, plan.loras),
                 release_experts=experts.release,
                 hooks=hooks,
                 stats=stats,

@@ -44,6 +44,53 @@ def _is_widget(spec) -> bool:
     return isinstance(kind, list) or kind in WIDGET_TYPES
 
 
+CONTROL_AFTER_GENERATE = ("fixed", "increment", "decrement", "randomize")
+
+
+def _widget_value_ok(spec, value) -> bool:
+    kind = spec[0]
+    if kind == "CONTROL":  # a seed's control_after_generate
+        return value in CONTROL_AFTER_GENERATE
+    if kind == "BOOLEAN":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "INT":
+        return isinstance(value, int)
+    if kind == "FLOAT":
+        return isinstance(value, (int, float))
+    if isinstance(kind, list) and kind and not isinstance(kind[0], str):  # a combo of numbers
+        return value in kind
+    return isinstance(value, str)  # STRING and combos (the server checks a combo's choice)
+
+
+def widget_problems(node: dict, inputs: dict) -> list:
+    """Where a UI-format node's saved `widgets_values` do not match its widgets one for one: the count (every
+    widget, optional ones included, in declaration order; a seed's control_after_generate and an image
+    upload button take a slot each) and each value's type. `inputs`: the node's {'required', 'optional'} as
+    /object_info or INPUT_TYPES gives them."""
+    slots = []
+    for name, spec in {**inputs.get("required", {}), **inputs.get("optional", {})}.items():
+        if _is_widget(spec):
+            slots.append((name, spec))
+            opts = spec[1] if len(spec) > 1 else {}
+            if opts.get("control_after_generate"):
+                slots.append((f"{name}: control_after_generate", ("CONTROL",)))
+            elif opts.get("image_upload"):
+                slots.append((f"{name}: upload", ("STRING",)))
+    values = node.get("widgets_values") or []
+    where = f"node {node['id']} ({node['type']})"
+    if len(values) != len(slots):
+        return [
+            f"{where}: {len(values)} widget values saved for {len(slots)} widgets {[n for n, _ in slots]}"
+        ]
+    return [
+        f"{where}: widget {name!r} holds {value!r}"
+        for (name, spec), value in zip(slots, values, strict=True)
+        if not _widget_value_ok(spec, value)
+    ]
+
+
 def ui_to_api(ui: dict, object_info: dict) -> dict:
     """UI workflow -> API prompt {id: {class_type, inputs, _meta}}; muted/bypassed nodes left out."""
     links = {link[0]: link for link in ui["links"]}

@@ -11,6 +11,7 @@ load_pack()  # tests import the pack as `lingbot_world`, as the CLI does
 from lingbot_world import cli  # noqa: E402
 
 cli.import_runtime()  # tests call the CLI's functions directly (`cli.main` imports this after parsing)
+from helpers import install_fake_comfy  # noqa: E402  (imports the pack)
 
 
 def _find_examples() -> Path | None:
@@ -24,6 +25,13 @@ def _find_examples() -> Path | None:
 def embedding_cache(tmp_path, monkeypatch):
     """A fresh text-embedding cache per test, so no test reads another's encodings."""
     monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def fake_comfy(monkeypatch):
+    """`fake_comfy(ckpt, input_dir)`: the pack's nodes over CPU stand-ins of ComfyUI's runtime modules, whose
+    model folders are `ckpt` and loras/input folder `input_dir` (tests/helpers.py `install_fake_comfy`)."""
+    return lambda ckpt, input_dir: install_fake_comfy(monkeypatch, ckpt, input_dir)
 
 
 @pytest.fixture(scope="session")

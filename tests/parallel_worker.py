@@ -105,7 +105,7 @@ def nf4_model(path):
 
 def swap_lora(model):
     """A LoRA on layers of swapped and resident blocks (attention, FFN, camera, a norm's diff)."""
-    from test_block_swap import lora_for
+    from helpers import lora_for
 
     return lora_for(
         model,

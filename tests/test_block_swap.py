@@ -2,16 +2,16 @@
 for all blocks, some blocks and with a LoRA attached; the swapper leaves nothing on the device or in
 its own hands after a run, an error and an interrupt; bad settings are refused naming swap_blocks."""
 
-import bitsandbytes as bnb
 import pytest
 import torch
+from helpers import SWAP_CFG as CFG
+from helpers import load_nf4 as load
+from helpers import lora_for
+from helpers import swap_run as run
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.experts import ExpertSwitcher
-from lingbot_world.loaders.stream import load_expert
 from lingbot_world.wan.block_swap import BlockSwapper, resolve_swap_blocks
-from lingbot_world.wan.lora import Lora, attach_lora
-
-CFG = S.tiny_config(num_layers=4)
+from lingbot_world.wan.lora import attach_lora
 
 
 @pytest.fixture(scope="module")
@@ -19,48 +19,8 @@ def nf4_dir(tmp_path_factory):
     return S.write_nf4_expert(tmp_path_factory.mktemp("swap") / "nf4", CFG, seed=3, mode="quantize")
 
 
-def load(path, device="cpu"):
-    model = load_expert(path, device)
-    for m in model.modules():  # keep bnb's portable CPU kernel (see loaders/stream.py)
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
-    return model
-
-
-def inputs(device="cpu"):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 2, 4, 4, generator=g)
-    y = torch.randn(20, 2, 4, 4, generator=g)
-    ctx = torch.randn(7, CFG.text_dim, generator=g)
-    cam = torch.randn(1, 384, 2, 4, 4, generator=g)
-    return [v.to(device) for v in (x, torch.tensor([700.0]), ctx, y, cam)]
-
-
-def run(model, device="cpu"):
-    x, t, ctx, y, cam = inputs(device)
-    with torch.no_grad():
-        return model(x, t, ctx, y=y, cam=cam)
-
-
 def block_state(model, i):
     return {k: v.clone() for k, v in model.blocks[i].state_dict().items()}
-
-
-def lora_for(model, targets=("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0.cross_attn.o")):
-    """A random LoRA on `targets` (low-rank + bias deltas) and a diff on block 3's norm3."""
-    g = torch.Generator().manual_seed(9)
-    patches = {}
-    for target in targets:
-        layer = model.get_submodule(target)
-        patches[target] = (
-            torch.randn(4, layer.in_features, generator=g) * 0.3,
-            torch.randn(layer.out_features, 4, generator=g) * 0.3,
-            8.0,
-            None,
-            torch.randn(layer.out_features, generator=g) * 0.1,
-        )
-    patches["blocks.3.norm3"] = (None, None, None, torch.randn(model.dim, generator=g) * 0.1, None)
-    return Lora(patches, 1.0, "test")
 
 
 @pytest.mark.parametrize("n", [4, 2, 1])

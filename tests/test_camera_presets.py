@@ -245,10 +245,8 @@ def comfy_conditioning(rows: torch.Tensor, pad_to: int = 512, mask: bool = False
     return [[out, extra]]
 
 
-def test_conditioning_is_cut_to_the_prompts_tokens(monkeypatch, ckpt, tmp_path):
-    from test_request import _fake_comfy
-
-    nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
+def test_conditioning_is_cut_to_the_prompts_tokens(fake_comfy, ckpt, tmp_path):
+    nodes = fake_comfy(ckpt, tmp_path)
     from lingbot_world.nodes.text import TextEmbeds, conditioning_to_context, sampler_text
 
     rows = torch.randn(14, 32)
@@ -276,10 +274,8 @@ def test_conditioning_is_cut_to_the_prompts_tokens(monkeypatch, ckpt, tmp_path):
     assert "LingBotCameraPreset" in nodes.NODE_CLASS_MAPPINGS
 
 
-def test_preset_and_preview_nodes(monkeypatch, ckpt, tmp_path):
-    from test_request import _fake_comfy
-
-    nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
+def test_preset_and_preview_nodes(fake_comfy, ckpt, tmp_path):
+    nodes = fake_comfy(ckpt, tmp_path)
     preset = nodes.LingBotCameraPreset()
     assert nodes.LingBotCameraPreset.VALIDATE_INPUTS("pan sideways", 0).startswith("camera preset")
     assert "add up to" in nodes.LingBotCameraPreset.VALIDATE_INPUTS("pan left 10 20f", 9)

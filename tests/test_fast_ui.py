@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import node_inputs
 from lingbot_world import cli
 from lingbot_world.loaders import fast_run, synthetic
 from lingbot_world.loaders.camera_files import CameraInput
@@ -26,7 +27,6 @@ from lingbot_world.wan.fast_camera import KEY_STEP, KeySteering, keys_camera, pa
 from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
 from safetensors.torch import load_file
-from test_request import _fake_comfy, node_inputs
 
 pytestmark = pytest.mark.usefixtures("embedding_cache")
 SIZE = (6, 14, 48, 112)  # examples/00's 1280x720 image at 64*112
@@ -256,7 +256,7 @@ def test_bad_input_exits_2_before_loading(
     assert not out.exists()
 
 
-def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeypatch, capsys):
+def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, fake_comfy, capsys):
     saved = tmp_path / "cli.latent"
     args = fast_args(
         fast_ckpt,
@@ -275,7 +275,7 @@ def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, monkeyp
     )
     assert cli.main(args) == 0
 
-    nodes = _fake_comfy(monkeypatch, fast_ckpt, tmp_path)
+    nodes = fake_comfy(fast_ckpt, tmp_path)
     assert {"LingBotFastLoader", "LingBotFastSampler"} <= nodes.NODE_CLASS_MAPPINGS.keys()
     assert nodes.LingBotFastSampler.VALIDATE_INPUTS("64*112", 5).startswith("frame_num: Fast needs")
     assert "must leave room" in nodes.LingBotFastSampler.VALIDATE_INPUTS(local_attn_size=4, sink_size=3)

@@ -149,7 +149,7 @@ def test_plan_a_chunked_model_that_does_not_fit_names_what_would(capsys):
 def test_parser_defaults_equal_the_model_codes():
     """The parser is built without torch, so a few defaults are written there; they equal the code's."""
     args = cli.build_parser().parse_args(["fast", "--ckpt_dir", "c", "--image", "i", "--prompt", "p"])
-    assert args.seed == FastConfig.seed and args.sample_shift == FastConfig.shift
+    assert args.seed == FastConfig.seed and args.sample_shift is None  # None: the model kind's shift
     assert cli.KV_DTYPES == list(fast_run.KV_DTYPES)
     assert cli.DEFAULT_SIZE == SampleConfig.max_area and cli.DEFAULT_SIZE.hw == (480, 832)
     opts = cli.speed_options(cli.build_parser().parse_args(["plan", "--model", "base-cam"]))

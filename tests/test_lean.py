@@ -125,20 +125,21 @@ def test_rope_in_place_equals_new_tensor():
 
 
 def test_lean_with_block_swap_and_lora(tmp_path):
-    import test_block_swap as bs
+    from helpers import SWAP_CFG, load_nf4, lora_for, swap_run
+    from lingbot_world.loaders import synthetic
     from lingbot_world.wan.block_swap import BlockSwapper
     from lingbot_world.wan.lora import attach_lora
 
-    nf4 = bs.S.write_nf4_expert(tmp_path / "nf4", bs.CFG, seed=3, mode="quantize")
-    model = bs.load(nf4)
-    plain = bs.run(model)
-    attach_lora(model, bs.lora_for(model))
-    want = bs.run(model)
+    nf4 = synthetic.write_nf4_expert(tmp_path / "nf4", SWAP_CFG, seed=3, mode="quantize")
+    model = load_nf4(nf4)
+    plain = swap_run(model)
+    attach_lora(model, lora_for(model))
+    want = swap_run(model)
     assert (want - plain).abs().max() > 1e-3  # the LoRA matters
     model.lean_activations, model.lean_chunk = True, 5
-    assert torch.equal(bs.run(model), want)  # the side paths are added chunk by chunk
+    assert torch.equal(swap_run(model), want)  # the side paths are added chunk by chunk
     swapper = BlockSwapper(model, 3)
-    assert torch.equal(bs.run(model), want) and not swapper._live
+    assert torch.equal(swap_run(model), want) and not swapper._live
     swapper.unpin()
 
 
@@ -283,10 +284,8 @@ def test_cli_flag():
         parser.parse_args([*base, "--lean_activations", "yes"])
 
 
-def test_speed_node_widget(monkeypatch, tmp_path):
-    from test_request import _fake_comfy
-
-    nodes = _fake_comfy(monkeypatch, tmp_path, tmp_path)
+def test_speed_node_widget(fake_comfy, tmp_path):
+    nodes = fake_comfy(tmp_path, tmp_path)
     spec = nodes.LingBotSpeed.INPUT_TYPES()
     assert "lean_activations" not in spec["required"]  # optional: saved workflows and prompts still load
     choices, opts = spec["optional"]["lean_activations"]

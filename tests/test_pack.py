@@ -1,5 +1,6 @@
 """The pack loads from any folder name, the way ComfyUI imports custom nodes (by path, no sys.path)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,11 @@ def test_layers_import_one_way():
             text = path.read_text()
             for name in banned:
                 assert f"from {name}" not in text and f"import {name}" not in text, (path, name)
+
+
+def test_tests_share_helpers_through_helpers_py():
+    """A test file imports shared helpers from tests/helpers.py (or gets them as conftest fixtures), never
+    from another test file: importing one runs its module-level set-up and ties the files together."""
+    for path in (ROOT / "tests").glob("*.py"):
+        found = re.findall(r"^\s*(?:from|import)\s+(test_\w+)", path.read_text(encoding="utf-8"), re.M)
+        assert not found, (path.name, found)

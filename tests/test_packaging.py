@@ -146,6 +146,10 @@ def test_wheel_holds_the_package_and_its_data(wheel):
         assert name in names, name
     shipped = {p.name for p in (ROOT / "examples" / "00").iterdir()}
     assert {n.rsplit("/", 1)[1] for n in names if n.startswith("lingbot_world/examples/00/")} == shipped
+    templates = {p.name for p in (ROOT / "example_workflows").iterdir()}  # workflows and their thumbnails
+    assert {
+        n.rsplit("/", 1)[1] for n in names if n.startswith("lingbot_world/example_workflows/")
+    } == templates
     assert not [n for n in names if n.startswith(("lingbot_world/tests/", "lingbot_world/benchmarks/"))]
     assert not [n for n in names if "__pycache__" in n]
     (dist_info,) = {n.split("/")[0] for n in names} - {"lingbot_world"}  # nothing else at the top

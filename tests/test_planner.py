@@ -43,6 +43,19 @@ def test_calibration_points_within_ten_percent():
     assert planner(compile=True).plan().peak_vram < p480.peak_vram
 
 
+def test_working_vram_is_the_denoise_figure_beyond_the_resident_expert():
+    """What a front end asks the card to free besides the expert it loads: the larger expert's LoRA plus the
+    activations, whatever the swap; with the resident (swap-reduced) weights it adds up to the denoise figure."""
+    lora = {"high": 0, "low": 830_000_000}
+    act = mp.activation_vram(planner().plan().tokens, A14B)
+    for swap in (0, 24, 40):  # 24: the shipped 12 GB workflow
+        plan = planner(swap_blocks=swap, lora_bytes=lora).plan()
+        assert plan.working_vram == act + lora["low"], swap
+        resident = mp.expert_vram(NF4, A14B.num_layers, swap)
+        assert plan.phase("denoise_low").vram == resident + plan.working_vram
+        assert plan.phase("denoise_high").vram == resident + plan.working_vram - lora["low"]
+
+
 def test_t5_overlap_only_when_the_child_and_this_process_fit_together():
     lora = {"high": 830_000_000, "low": 830_000_000}
     alone = planner(lora_bytes=lora).plan(24 * GIB)

@@ -7,13 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-import types
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import node_inputs
 from lingbot_world import cli
 from lingbot_world.loaders import checkpoints, request
 from lingbot_world.loaders.camera_files import CameraInput
@@ -21,7 +20,6 @@ from lingbot_world.loaders.experts import ExpertSwitcher
 from lingbot_world.loaders.lora import LoraSpec
 from lingbot_world.wan.config import DiTConfig, SampleConfig
 from lingbot_world.wan.lora import LoraError, attached_loras
-from PIL import Image
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,60 +302,6 @@ def test_sigterm_ends_cleanly(ckpt, shipped_example, tmp_path):
 # ------------------------------------------------------------------ CLI and sampler node: one path
 
 
-def _fake_comfy(monkeypatch, ckpt, input_dir):
-    """The few ComfyUI runtime modules the nodes import, as plain CPU stand-ins, so the node code runs
-    here as it runs in ComfyUI (the real-ComfyUI tests cover the server itself)."""
-    mm = types.ModuleType("comfy.model_management")
-    cpu = torch.device("cpu")
-    for name in ("get_torch_device", "intermediate_device", "vae_device", "text_encoder_device"):
-        setattr(mm, name, lambda: cpu)
-    mm.free_memory = lambda nbytes, device: None
-    mm.soft_empty_cache = lambda: None
-    mm.throw_exception_if_processing_interrupted = lambda: None
-    utils = types.ModuleType("comfy.utils")
-
-    class ProgressBar:
-        def __init__(self, total):
-            self.total = total
-
-        def update_absolute(self, value, total=None, preview=None):
-            pass
-
-    utils.ProgressBar = ProgressBar
-    attn = types.ModuleType("comfy.ldm.modules.attention")
-    attn.optimized_attention = lambda q, k, v, heads, **kw: (
-        torch.nn.functional.scaled_dot_product_attention(
-            *(t.view(1, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
-        )
-        .transpose(1, 2)
-        .reshape(q.shape)
-    )
-    comfy = types.ModuleType("comfy")
-    comfy.model_management, comfy.utils = mm, utils
-    roots = {
-        "diffusion_models": [str(ckpt)],
-        "text_encoders": [str(ckpt)],
-        "vae": [str(ckpt)],
-        "loras": [str(input_dir)],
-    }
-    fp = types.ModuleType("folder_paths")
-    fp.get_folder_paths = lambda kind: roots[kind]
-    fp.get_filename_list = lambda kind: sorted(p.name for p in Path(roots[kind][0]).iterdir())
-    fp.get_input_directory = lambda: str(input_dir)
-    ldm, ldm_modules = types.ModuleType("comfy.ldm"), types.ModuleType("comfy.ldm.modules")
-    comfy.__path__, ldm.__path__, ldm_modules.__path__ = [], [], []  # packages
-    comfy.ldm, ldm.modules, ldm_modules.attention = ldm, ldm_modules, attn
-    modules = {"comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils, "folder_paths": fp}
-    modules.update({"comfy.ldm": ldm, "comfy.ldm.modules": ldm_modules, "comfy.ldm.modules.attention": attn})
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    for name in [n for n in sys.modules if n.startswith("lingbot_world.nodes")]:
-        monkeypatch.delitem(sys.modules, name)
-    import lingbot_world.nodes as nodes
-
-    return nodes
-
-
 def tiny_lora(path, config, seed=0, rank=2):
     """A kohya-layout LoRA on a few of the experts' Linears."""
     g = torch.Generator().manual_seed(seed)
@@ -384,20 +328,7 @@ def test_switcher_attaches_the_plans_loras(ckpt, tmp_path):
         plan(config=replace(files.config, num_layers=1), loras=[LoraSpec(lora)])  # blocks.1 does not exist
 
 
-def node_inputs(nodes, example):
-    """(text, vae, camera, image) from the pack's nodes for `example` and the prompt "a castle", as a
-    workflow feeds the samplers (the image as core Load Image gives it)."""
-    (text,) = nodes.LingBotTextEncode().encode(
-        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
-    )
-    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
-    camera, _ = nodes.LingBotCamera().load(str(example))
-    with Image.open(example / "image.jpg") as img:
-        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
-    return text, vae, camera, image
-
-
-def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, monkeypatch, capsys):
+def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_path, fake_comfy, capsys):
     """The same request (a LoRA on the low-noise expert included) through both front ends."""
     latent_file = tmp_path / "cli.latent"
     lora = tiny_lora(tmp_path / "style.safetensors", checkpoints.resolve_checkpoint_dir(ckpt).config)
@@ -432,7 +363,7 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
     saved = load_file(str(latent_file))
     assert set(saved) == {"latent_tensor", "latent_format_version_0"}
 
-    nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
+    nodes = fake_comfy(ckpt, tmp_path)
     (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(ckpt))
     (experts,) = nodes.LingBotLoRA().apply(experts, lora.name, 0.7, "low", False)
     text, vae, camera, image = node_inputs(nodes, shipped_example)
@@ -486,8 +417,48 @@ def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
     return out["samples"]
 
 
+def test_sampler_node_asks_comfyui_for_the_planners_denoise_figure(
+    nf4_ckpt, shipped_example, tmp_path, fake_comfy
+):
+    """Before loading each expert the sampler node asks ComfyUI's free_memory for the planner's denoise
+    figure: the expert's swap-reduced weights (`expert_vram`) plus the activations, for any swap_blocks
+    (swapping 24 or all 40 blocks asked too little, or a negative amount, when the whole expert was
+    subtracted from a figure that counts only its resident part)."""
+    import shutil
+
+    from lingbot_world.loaders import planner as memplan
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.wan import i2v
+
+    config = replace(checkpoints.resolve_checkpoint_dir(nf4_ckpt).config, num_layers=40)
+    ckpt = tmp_path / "deep"
+    synthetic.write_nf4_expert(ckpt / "high_noise_model_bnb_nf4", config, seed=1)
+    synthetic.write_nf4_expert(ckpt / "low_noise_model_bnb_nf4", config, seed=2)
+    for name in ("models_t5_umt5-xxl-enc-bf16.pth", "Wan2.1_VAE.pth", "tokenizer"):
+        (shutil.copytree if (nf4_ckpt / name).is_dir() else shutil.copy)(nf4_ckpt / name, ckpt / name)
+    nodes = fake_comfy(ckpt, tmp_path)
+    calls = nodes.memory.mm.free_memory_calls
+    act = memplan.activation_vram(i2v.seq_len(3, 6, 14), config)  # 9 frames at 64*112: a 3x6x14 latent
+    asked = {}
+    for swap in (0, 24, 40):
+        (experts,) = nodes.LingBotExpertsLoader().load(
+            "", "", False, 0.0, ckpt_dir=str(ckpt), swap_blocks=swap
+        )
+        calls.clear()
+        assert _node_latent(nodes, experts, shipped_example).shape == (1, 16, 3, 6, 14)
+        want = [
+            (memplan.expert_vram(experts.nbytes[e], 40, swap) + act, torch.device("cpu"))
+            for e in ("high", "low")
+        ]
+        assert calls == want, swap
+        asked[swap] = calls[0][0]
+    block = experts.nbytes["high"] // 40
+    assert asked[0] - asked[24] == 22 * block  # 24 swapped, 2 of them in flight
+    assert asked[40] == experts.nbytes["high"] - 38 * block + act > 0  # the other 38 in host RAM
+
+
 def test_lora_node_merges_before_quantizing_as_the_cli_does(
-    nf4_ckpt, shipped_example, tmp_path, monkeypatch, capsys
+    nf4_ckpt, shipped_example, tmp_path, fake_comfy, capsys
 ):
     """LingBot LoRA's 'merge before quantizing' on bf16 experts quantized while streaming gives exactly the
     CLI's --lora_merge latent; its default (side path) gives exactly the CLI's --lora latent; NF4 experts,
@@ -530,7 +501,7 @@ def test_lora_node_merges_before_quantizing_as_the_cli_does(
         cli_latents[mode] = load_file(str(out))["latent_tensor"]
     assert not torch.equal(cli_latents["merge"], cli_latents["side"])
 
-    nodes = _fake_comfy(monkeypatch, ckpt, tmp_path)
+    nodes = fake_comfy(ckpt, tmp_path)
     (loaded,) = nodes.LingBotExpertsLoader().load("", "", True, 0.0, ckpt_dir=str(ckpt))
     (merged,) = nodes.LingBotLoRA().apply(loaded, lora.name, 0.7, "both", False, "merge before quantizing")
     (side,) = nodes.LingBotLoRA().apply(

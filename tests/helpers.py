@@ -1,0 +1,130 @@
+"""Helpers shared by several test files (tests import them from here, never from another test file):
+CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example, and the
+block-swap tests' tiny NF4 expert with its LoRA."""
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+from lingbot_world.loaders import synthetic as S
+from lingbot_world.loaders.stream import load_expert
+from lingbot_world.wan.lora import Lora
+from PIL import Image
+
+SWAP_CFG = S.tiny_config(num_layers=4)  # the block-swap tests' expert
+
+
+def install_fake_comfy(monkeypatch, ckpt, input_dir):
+    """The few ComfyUI runtime modules the nodes import, as plain CPU stand-ins, so the node code runs
+    here as it runs in ComfyUI (the real-ComfyUI tests cover the server itself). Returns the pack's nodes
+    package; `nodes.memory.mm.free_memory_calls` records each `free_memory(nbytes, device)` the nodes ask."""
+    mm = types.ModuleType("comfy.model_management")
+    cpu = torch.device("cpu")
+    for name in ("get_torch_device", "intermediate_device", "vae_device", "text_encoder_device"):
+        setattr(mm, name, lambda: cpu)
+    mm.free_memory_calls = []
+    mm.free_memory = lambda nbytes, device: mm.free_memory_calls.append((nbytes, torch.device(device)))
+    mm.soft_empty_cache = lambda: None
+    mm.throw_exception_if_processing_interrupted = lambda: None
+    utils = types.ModuleType("comfy.utils")
+
+    class ProgressBar:
+        def __init__(self, total):
+            self.total = total
+
+        def update_absolute(self, value, total=None, preview=None):
+            pass
+
+    utils.ProgressBar = ProgressBar
+    attn = types.ModuleType("comfy.ldm.modules.attention")
+    attn.optimized_attention = lambda q, k, v, heads, **kw: (
+        torch.nn.functional.scaled_dot_product_attention(
+            *(t.view(1, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
+        )
+        .transpose(1, 2)
+        .reshape(q.shape)
+    )
+    comfy = types.ModuleType("comfy")
+    comfy.model_management, comfy.utils = mm, utils
+    roots = {
+        "diffusion_models": [str(ckpt)],
+        "text_encoders": [str(ckpt)],
+        "vae": [str(ckpt)],
+        "loras": [str(input_dir)],
+    }
+    fp = types.ModuleType("folder_paths")
+    fp.get_folder_paths = lambda kind: roots[kind]
+    fp.get_filename_list = lambda kind: sorted(p.name for p in Path(roots[kind][0]).iterdir())
+    fp.get_input_directory = lambda: str(input_dir)
+    ldm, ldm_modules = types.ModuleType("comfy.ldm"), types.ModuleType("comfy.ldm.modules")
+    comfy.__path__, ldm.__path__, ldm_modules.__path__ = [], [], []  # packages
+    comfy.ldm, ldm.modules, ldm_modules.attention = ldm, ldm_modules, attn
+    modules = {"comfy": comfy, "comfy.model_management": mm, "comfy.utils": utils, "folder_paths": fp}
+    modules.update({"comfy.ldm": ldm, "comfy.ldm.modules": ldm_modules, "comfy.ldm.modules.attention": attn})
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    for name in [n for n in sys.modules if n.startswith("lingbot_world.nodes")]:
+        monkeypatch.delitem(sys.modules, name)
+    import lingbot_world.nodes as nodes
+
+    return nodes
+
+
+def node_inputs(nodes, example):
+    """(text, vae, camera, image) from the pack's nodes for `example` and the prompt "a castle", as a
+    workflow feeds the samplers (the image as core Load Image gives it)."""
+    (text,) = nodes.LingBotTextEncode().encode(
+        "models_t5_umt5-xxl-enc-bf16.pth", "a castle", "", "inprocess", "cpu"
+    )
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    camera, _ = nodes.LingBotCamera().load(str(example))
+    with Image.open(example / "image.jpg") as img:
+        image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
+    return text, vae, camera, image
+
+
+def load_nf4(path, device="cpu"):
+    """An NF4 expert folder loaded with bitsandbytes' portable CPU kernel."""
+    import bitsandbytes as bnb
+
+    model = load_expert(path, device)
+    for m in model.modules():  # keep bnb's portable CPU kernel (see loaders/stream.py)
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def swap_inputs(device="cpu"):
+    """(x, t, context, y, cam) for one forward of a SWAP_CFG expert on a 2x4x4 latent."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 4, 4, generator=g)
+    y = torch.randn(20, 2, 4, 4, generator=g)
+    ctx = torch.randn(7, SWAP_CFG.text_dim, generator=g)
+    cam = torch.randn(1, 384, 2, 4, 4, generator=g)
+    return [v.to(device) for v in (x, torch.tensor([700.0]), ctx, y, cam)]
+
+
+def swap_run(model, device="cpu"):
+    """One forward of `model` on `swap_inputs`."""
+    x, t, ctx, y, cam = swap_inputs(device)
+    with torch.no_grad():
+        return model(x, t, ctx, y=y, cam=cam)
+
+
+def lora_for(model, targets=("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0.cross_attn.o")):
+    """A random LoRA on `targets` (low-rank + bias deltas) and a diff on block 3's norm3."""
+    g = torch.Generator().manual_seed(9)
+    patches = {}
+    for target in targets:
+        layer = model.get_submodule(target)
+        patches[target] = (
+            torch.randn(4, layer.in_features, generator=g) * 0.3,
+            torch.randn(layer.out_features, 4, generator=g) * 0.3,
+            8.0,
+            None,
+            torch.randn(layer.out_features, generator=g) * 0.1,
+        )
+    patches["blocks.3.norm3"] = (None, None, None, torch.randn(model.dim, generator=g) * 0.1, None)
+    return Lora(patches, 1.0, "test")

@@ -19,8 +19,13 @@ UPSTREAM_DIR = os.environ.get("LINGBOT_UPSTREAM_DIR")
 pytestmark = pytest.mark.slow  # four CPU runs of whole scripts; CI runs them with -m slow
 
 
-def run_tiny(script: str, tmp_path: Path, *extra: str) -> dict:
-    env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+def run_tiny(script: str, tmp_path: Path, *extra: str, env: dict | None = None) -> dict:
+    env = {
+        "LINGBOT_WORLD_CACHE": str(tmp_path / "cache"),
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        **(env or {}),
+    }
     out = subprocess.run(
         [
             sys.executable,
@@ -114,6 +119,102 @@ def test_bench_pipeline(tmp_path):
     with av.open(str(tmp_path / "w" / "out.mp4")) as video:
         frames = [f.to_ndarray(format="rgb24") for f in video.decode(video=0)]
     assert len(frames) == s["frame_num"] == 9 and frames[0].shape == (48, 112, 3)
+
+
+FAST_PHASES = ["text_encode", "load_vae", "vae_encode", "load_model", "chunks", "write_mp4"]
+PREDICTED = ("model", "caches", "work", "condition", "encode", "loop", "peak", "ram")
+
+
+@pytest.mark.parametrize("model, pyav", [("v2-1.3b", True), ("v2-14b", False)])
+def test_bench_pipeline_fast(tmp_path, model, pyav):
+    """`--command fast` on tiny checkpoints in the kinds' layouts (the 1.3B's flat fp32 shards, the 14B's NF4
+    folder with its recorded kind; assets apart): the whole chunked run with the planner's own prediction
+    beside what was measured, the chunks' times and rates. The 14B run also passes --extra through and
+    hides PyAV, as on the GPU box: everything runs but the MP4 encode."""
+    from lingbot_world.loaders import fast_run
+    from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+    from lingbot_world.wan.config import CHUNKED_KINDS
+
+    extra, env, kv = ["--command", "fast", "--model", model], {}, "bf16"
+    if model == "v2-14b":
+        extra, kv = [*extra, "--extra", "--kv_dtype fp8"], "fp8"
+    if not pyav:
+        (tmp_path / "nopyav").mkdir()
+        (tmp_path / "nopyav" / "av.py").write_text("raise ImportError('no PyAV here')\n")
+        env["PYTHONPATH"] = str(tmp_path / "nopyav")
+    s = run_tiny("bench_pipeline.py", tmp_path, *extra, env=env)
+    assert s["rc"] == 0 and s["error"] is None and s["device"] == "cpu"
+    assert (s["command"], s["model"], s["kv_dtype"]) == ("fast", model, kv)
+    phases = s["phases"]
+    assert [p["phase"] for p in phases] == FAST_PHASES
+    # 109 frames at 64*112 -> 28 latent frames of 6x14: 7 chunks of 4 (13 frames, then 16), window 18 / sink 6
+    assert s["latent"] == [28, 6, 14] and s["frames"] == s["frame_num"] == 109 and s["video"] == "112x48"
+    assert s["chunks"] == s["chunks_planned"] == 7 and s["chunk_frames"] == 4
+    assert (s["window"], s["sink"], s["swap_blocks"], s["quantize"]) == (18, 6, 0, False)
+    assert s["dit"]["quantized"] == (model == "v2-14b") and s["dit"]["bytes"] > 0
+    timings = s["chunk_timings"]
+    assert [t["frames"] for t in timings] == [13] + [16] * 6
+    for t in timings:
+        assert t["denoise_s"] > 0 and t["decode_s"] > 0 and 0 <= t["kv_cache_gib"] < 0.01
+        assert t["fps"] == pytest.approx(t["frames"] / (t["denoise_s"] + t["decode_s"]), rel=0.01)
+    steady = sum(t["denoise_s"] + t["decode_s"] for t in timings[1:])
+    assert s["steady_chunk_s"] == pytest.approx(steady / 6, abs=1e-3)
+    assert s["steady_fps"] == pytest.approx(96 / steady, rel=0.01)
+    assert s["realtime"] == (s["steady_fps"] >= 16) and s["playback_fps"] == 16
+    loop = phases[FAST_PHASES.index("chunks")]["seconds"]
+    assert steady < loop and s["loop_fps"] == pytest.approx(109 / loop, rel=0.01)
+    # the prediction recorded is the CLI's: fast_memory for the run's settings gives the same figures
+    files = resolve_fast_dir(s["ckpt_dir"], model, s["assets_dir"])
+    config = fast_run.fast_config(None, 0, None, None, kv, CHUNKED_KINDS[model])
+    need = fast_run.fast_memory(files, (28, 6, 14), config, None, 0, "auto")
+    assert s["predicted"] == {f"{k}_gib": round(getattr(need, k) / 2**30, 3) for k in PREDICTED}
+    assert need.peak == max(need.loop, need.encode) > need.caches > 0
+    # CPU: no VRAM measured and no fit check (the CLI checks on CUDA); host RAM beside its prediction
+    measured, ratio = s["measured"], s["measured_over_predicted"]
+    assert measured["peak_vram_gib"] is None and ratio["peak"] is None and ratio["chunks"] is None
+    assert s["fit_check"] is None and s["card_peak_used_gib"] is None
+    assert measured["peak_rss_anon_gib"] == max(p["peak_rss_anon_gib"] for p in phases)
+    assert (
+        0.1
+        < ratio["ram"]
+        == pytest.approx(measured["peak_rss_anon_gib"] / s["predicted"]["ram_gib"], abs=1e-3)
+    )
+    assert ratio["ram"] < 2
+    out = tmp_path / "w" / "out.mp4"
+    if pyav:
+        from lingbot_world.loaders.video import read_mp4_info
+
+        assert s["mp4"] == "written" and read_mp4_info(out)["frames"] == 109
+    else:
+        assert s["mp4"] == "not written: PyAV absent" and not out.exists()
+
+
+def test_bench_pipeline_fast_probe_fit_check(tmp_path, monkeypatch):
+    """What only the GPU run exercises, on the CPU: the probe records the CLI's fit check, and with
+    --skip-fit-check lets a run the planner refuses go on; the real functions are back afterwards."""
+    from lingbot_world.loaders import fast_run
+    from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_pipeline
+
+    ckpt, assets = bench_pipeline.build_fast_checkpoint(tmp_path, "v2-1.3b", "tiny")
+    files = resolve_fast_dir(ckpt, "v2-1.3b", assets)
+    config = fast_run.fast_config(None, 0, None, None, "bf16", files.kind)
+    real = fast_run.fast_memory, fast_run.fast_fit_issue, fast_run.run_chunks
+    lat = (28, 6, 14)
+    for skip in (False, True):
+        probe = bench_pipeline.FastProbe(skip)
+        with probe.patched():
+            need = fast_run.fast_memory(files, lat, config, None, 0, "auto")
+            issue = fast_run.fast_fit_issue(files, lat, config, None, 0, need.peak // 2, "auto")
+        assert (fast_run.fast_memory, fast_run.fast_fit_issue, fast_run.run_chunks) == real
+        assert probe.need == need and probe.settings["lat_shape"] == lat and probe.settings["tile"] == "auto"
+        said = probe.fit["issue"]
+        assert said.startswith("predicted peak") and probe.fit["skipped"] is skip
+        assert probe.fit["free_vram_gib"] == round(need.peak // 2 / 2**30, 3)
+        assert issue == (None if skip else said)
+        assert probe.summary(None)["chunk_timings"] == [] and probe.summary(None)["steady_fps"] is None
 
 
 def test_bench_t5(tmp_path):

@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -36,7 +37,15 @@ def import_runtime() -> None:
     global torch, tqdm, camera_authoring, camera_files, camera_preview, checkpoints, demo_assets, distributed
     global fast_run, monitor, stream, text_encode, video, memplan, ExpertSwitcher, resolve_fast_dir
     global save_comfy_latent, LoraSpec, parse_lora_spec, RequestError, check_lora_merge, check_text_dim
-    global plan_request, read_encoder_config, check_vae, load_vae, i2v, pipeline, resolve_swap_blocks
+    global \
+        MAX_FRAMES, \
+        plan_request, \
+        read_encoder_config, \
+        check_vae, \
+        load_vae, \
+        i2v, \
+        pipeline, \
+        resolve_swap_blocks
     global FastConfig, FastSession, fast_frame_num, fast_latent_frames, KeySteering, KINDS
     global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile
     if "torch" in globals():
@@ -62,7 +71,7 @@ def import_runtime() -> None:
     from .loaders.fast_checkpoint import KINDS, resolve_fast_dir
     from .loaders.latent_file import save_comfy_latent
     from .loaders.lora import LoraSpec, parse_lora_spec
-    from .loaders.request import RequestError, check_lora_merge, check_text_dim, plan_request
+    from .loaders.request import MAX_FRAMES, RequestError, check_lora_merge, check_text_dim, plan_request
     from .loaders.text_encoder import read_encoder_config
     from .loaders.vae import check_vae, load_vae
     from .wan import i2v, pipeline
@@ -128,6 +137,17 @@ def parse_gib(text: str) -> float:
     return value
 
 
+def utf8_text(text: str) -> str:
+    """A text argument that can be encoded: bytes that are not UTF-8 reach Python as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text (a byte that is not UTF-8 at character {err.start}); expected UTF-8 text"
+        ) from None
+    return text
+
+
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when PyTorch sees a GPU, else cpu)"
 KV_DTYPES = ["bf16", "fp8"]  # loaders.fast_run.KV_DTYPES' names, without importing torch to list them
 
@@ -148,9 +168,14 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         + (" (without it: --size's own aspect ratio)" if planning else ""),
     )
     p.add_argument(
-        "--prompt", required=not planning, help="what the video shows" + (" (not needed)" if planning else "")
+        "--prompt",
+        type=utf8_text,
+        required=not planning,
+        help="what the video shows" + (" (not needed)" if planning else ""),
     )
-    p.add_argument("--n_prompt", default="", help="negative prompt; empty = upstream's default")
+    p.add_argument(
+        "--n_prompt", type=utf8_text, default="", help="negative prompt; empty = upstream's default"
+    )
     p.add_argument(
         "--action_path", type=Path, help="folder with poses.npy + intrinsics.npy (and action.npy for Act)"
     )
@@ -524,7 +549,8 @@ def guide_pair(values: list[float]) -> tuple[float, float]:
     return (values[0], values[-1])
 
 
-# RequestError parameters -> the flags a user types.
+# Library parameter names -> the flags a user types: a RequestError's `param`, or the `name: ` a library
+# ValueError's message starts with (after a "camera preset '...': " context); COMMAND_FLAGS per command.
 FLAGS = {
     "sample_steps": "--sampling_steps",
     "sample_shift": "--sample_shift",
@@ -537,7 +563,7 @@ FLAGS = {
     "max_area": "--size",
     "size": "--size/--frame_num",
     "action_string": "--action_string",
-    "camera": "--action_path",
+    "camera": "--action_path/--action_string/--camera_preset",
     "text": "text encoder",
     "lora": "--lora",
     "attention": "--attention",
@@ -547,7 +573,28 @@ FLAGS = {
     "ulysses_size": "--ulysses_size",
     "lean_activations": "--lean_activations",
     "vae_tile": "--vae_tile",
+    "shift": "--sample_shift",
+    "local_attn_size": "--local_attn_size",
+    "sink_size": "--sink_size",
+    "kv_dtype": "--kv_dtype",
+    "speed": "--camera_speed",
+    "fov": "--camera_fov",
 }
+COMMAND_FLAGS = {"camera": {"frame_num": "--frames"}}
+_PARAM = re.compile(r"(camera preset .*?: )?([a-z][a-z_]*): ")
+
+
+def flag_message(err: Exception, command: str) -> str:
+    """An error's message with the library's parameter name replaced by the flag this command takes."""
+    flags = {**FLAGS, **COMMAND_FLAGS.get(command, {})}
+    if isinstance(err, RequestError):
+        return f"{flags.get(err.param, err.param)}: {err.detail}"
+    text = str(err)
+    found = _PARAM.match(text)
+    flag = found and flags.get(found.group(2))
+    if not flag or not flag.startswith("--"):
+        return text
+    return text[: found.start(2)] + flag + text[found.end(2) :]
 
 
 def resolve_device(text: str) -> torch.device:
@@ -661,11 +708,16 @@ def load_image(path: Path) -> torch.Tensor:
         with img:
             if img.width * img.height > MAX_IMAGE_PIXELS:
                 raise ValueError(f"--image: {path} is {img.width}x{img.height} pixels; {limit}")
+            img.load()  # decode here: a truncated or damaged file fails now, not inside the conversion
             return i2v.image_to_tensor(img)
     except UnidentifiedImageError:
         raise ValueError(f"--image: {path} is not an image PIL can read") from None
     except Image.DecompressionBombError:  # PIL's own refusal from the header, at twice our limit
         raise ValueError(f"--image: {path} is too large by its header; {limit}") from None
+    except OSError as err:
+        raise ValueError(
+            f"--image: {path} cannot be decoded ({err}); expected a complete image file"
+        ) from None
 
 
 def vae_tile(text: str):
@@ -724,6 +776,8 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     if not getattr(args, "model", None):  # `plan --model base-cam`: the architecture, no files
         files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
         config, text_dim = files.config, read_encoder_config(files.text_encoder)["dim"]
+        experts = " and ".join(str(files.experts[e]) for e in ("high", "low"))
+        check_text_dim(text_dim, files.config, files.text_encoder, experts)
         check_vae(files.vae)
         if getattr(args, "lora_merge", False):
             check_lora_merge(files.sources, args.quantize, args.lora)
@@ -1087,7 +1141,9 @@ def add_fast_args(p: argparse.ArgumentParser):
         "the v2 14B folder)",
     )
     p.add_argument("--image", type=Path, required=True, help="the first frame")
-    p.add_argument("--prompt", required=True, help="no negative prompt: Fast runs without CFG")
+    p.add_argument(
+        "--prompt", type=utf8_text, required=True, help="no negative prompt: Fast runs without CFG"
+    )
     p.add_argument(
         "--keys", metavar="FILE|-", help="steer with act2cam keys, one line per chunk ('-': stdin)"
     )
@@ -1203,22 +1259,21 @@ def run_fast(args) -> int:
     assets = args.assets_dir and args.assets_dir.expanduser().resolve()
     files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
-    check_text_dim(read_encoder_config(files.text_encoder)["dim"], files.config)
+    check_text_dim(
+        read_encoder_config(files.text_encoder)["dim"], files.config, files.text_encoder, files.model
+    )
     check_vae(files.vae)
     tile = vae_tile(args.vae_tile)
-    try:
-        config = fast_run.fast_config(
-            args.sample_shift,
-            i2v.resolve_seed(args.seed),
-            args.local_attn_size,
-            args.sink_size,
-            args.kv_dtype,
-            files.kind,
-        )
-        swap = resolve_swap_blocks(args.swap_blocks, files.config.num_layers)
-        fast_latent_frames(DEFAULTS.frame_num if args.frame_num is None else args.frame_num, chunk)
-    except ValueError as err:
-        raise ValueError(f"--{err}") from None
+    config = fast_run.fast_config(
+        args.sample_shift,
+        i2v.resolve_seed(args.seed),
+        args.local_attn_size,
+        args.sink_size,
+        args.kv_dtype,
+        files.kind,
+    )
+    swap = resolve_swap_blocks(args.swap_blocks, files.config.num_layers)
+    fast_latent_frames(DEFAULTS.frame_num if args.frame_num is None else args.frame_num, chunk)
     image = load_image(args.image)
     try:
         size = i2v.latent_size(*image.shape[1:], args.size)
@@ -1338,6 +1393,8 @@ def run_camera(args) -> int:
         raise ValueError("camera: give --preset TEXT or --action_path DIR")
     if args.action_string and not args.action_path:
         raise ValueError("--action_string needs --action_path (for intrinsics.npy, as upstream)")
+    if args.frames is not None and args.frames > MAX_FRAMES:  # a pose folder would quietly cap it
+        raise RequestError("frame_num", f"at most {MAX_FRAMES} frames (100 s at 16 fps), got {args.frames}")
     saved = (
         [args.save / n for n in ("poses.npy", "intrinsics.npy")] if args.save and args.save.is_dir() else []
     )
@@ -1444,11 +1501,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: models released, no output written", file=sys.stderr)
         return 130
-    except RequestError as err:
-        print(f"error: {FLAGS.get(err.param, err.param)}: {err.detail}", file=sys.stderr)
-        return 2
     except (ValueError, OSError) as err:  # bad input: files, arrays, arguments
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {flag_message(err, args.command)}", file=sys.stderr)
         return 2
     except text_encode.EncoderProcessError as err:  # the child's status and last lines, no traceback
         print(f"error: {err}", file=sys.stderr)

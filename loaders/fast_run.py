@@ -210,7 +210,13 @@ def read_keys_file(path) -> list[np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--keys: {path} not found")
-    lines = path.read_text().splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--keys: {path} is not a text file (byte {err.start} is not UTF-8); expected one line of keys "
+            "per chunk (e.g. 'w')"
+        ) from None
     if not lines:
         raise ValueError(f"--keys: {path} is empty; expected one line of keys per chunk (e.g. 'w')")
     return [parse_keys_line(line, f"--keys {path} line {n}") for n, line in enumerate(lines, start=1)]

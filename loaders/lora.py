@@ -21,12 +21,14 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..wan.lora import Lora, LoraError, LoraPatch, attach_lora, check_lora, lora_targets
 from .tensor_file import TensorFile
 
 EXPERTS = ("both", "high", "low")
+MAX_STRENGTH = 10.0  # |strength| beyond this only overflows the activations; the node's widget range
 LIST_LIMIT = 12
 
 # (key suffix, part), tried in order
@@ -91,8 +93,11 @@ class LoraSpec:
         object.__setattr__(self, "path", Path(self.path))
         if self.experts not in EXPERTS:
             raise ValueError(f"LoRA {self.path}: experts must be one of {EXPERTS}, got {self.experts!r}")
-        if not isinstance(self.strength, (int, float)) or self.strength != self.strength:
-            raise ValueError(f"LoRA {self.path}: strength must be a number, got {self.strength!r}")
+        if not isinstance(self.strength, (int, float)) or not -MAX_STRENGTH <= self.strength <= MAX_STRENGTH:
+            raise ValueError(
+                f"LoRA {self.path}: strength must be a number in [{-MAX_STRENGTH:g}, {MAX_STRENGTH:g}], "
+                f"got {self.strength!r}"
+            )
         object.__setattr__(self, "strength", float(self.strength))
 
     def applies_to(self, expert: str) -> bool:
@@ -233,6 +238,8 @@ def read_lora(source, model: nn.Module, strength: float | None = None, allow_unm
                 raise LoraError(
                     f"LoRA {spec.path}: tensor {key!r} has dtype {t.dtype}, expected a float type"
                 )
+            if not torch.isfinite(t).all():
+                raise LoraError(f"LoRA {spec.path}: tensor {key!r} holds NaN or Inf values")
             if part == "alpha":
                 if t.numel() != 1:
                     raise LoraError(

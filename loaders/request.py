@@ -120,12 +120,16 @@ class Plan:
         )
 
 
-def check_text_dim(width: int, config: DiTConfig) -> None:
+def check_text_dim(width: int, config: DiTConfig, encoder=None, experts=None) -> None:
+    """The text encoder's output width against the experts'; `encoder`, `experts`: their files, named."""
     if width != config.text_dim:
+        whose = (
+            f"the text encoder {encoder} does not belong to the experts {experts}"
+            if encoder and experts
+            else "this text encoder does not belong to these experts"
+        )
         raise RequestError(
-            "text",
-            f"embeddings have width {width}, the experts expect {config.text_dim} "
-            "(this text encoder does not belong to these experts)",
+            "text", f"embeddings have width {width}, the experts expect {config.text_dim} ({whose})"
         )
 
 

@@ -15,6 +15,7 @@ import pickle
 import re
 import stat
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 LIST_LIMIT = 12  # names shown per error list
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+UNMAPPED_BYTES = 64 << 20  # a legacy (non-zip) torch file up to this size is read whole
 
 # safetensors dtype names, in the order of the format's Dtype enum (writers sort by it).
 ST_DTYPES = {
@@ -237,17 +239,29 @@ def load_torch_state(path, what: str, supported: str, allow_unmapped: bool = Fal
     mmap=True)` (tensors stay memory-mapped).
 
     A file that pickles anything but tensors is refused: unpickling it would run code from the file.
-    `allow_unmapped`: also accept the legacy (non-zip) format, which cannot be memory-mapped and is
-    read whole; only for small files such as the VAE.
+    The legacy (non-zip) format cannot be memory-mapped: a file in it is read whole (still weights-only)
+    when it is at most UNMAPPED_BYTES or `allow_unmapped` (files known to be small, such as the VAE), and
+    refused otherwise.
     """
     path = check_file(path, what)
     try:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
-            if not (allow_unmapped and "mmap" in str(e)):
+            if "mmap" not in str(e):
                 raise
-            sd = torch.load(path, map_location="cpu", weights_only=True)  # legacy non-zip format
+            size = path.stat().st_size
+            if not allow_unmapped and size > UNMAPPED_BYTES:
+                raise CheckpointError(
+                    f"{path}: refused: a legacy (non-zip) torch file of {size / (1 << 30):.1f} GiB cannot be "
+                    "memory-mapped and is not read whole; save it again with torch.save's default (zip) "
+                    f"format or as .safetensors; supported: {supported}"
+                ) from None
+            with warnings.catch_warnings():  # torch's note on the pickle protocol: the error says it all
+                warnings.simplefilter("ignore", UserWarning)
+                sd = torch.load(path, map_location="cpu", weights_only=True)  # legacy non-zip format
+    except CheckpointError:
+        raise
     except OSError as e:
         raise file_error(path, what, e) from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for bad files; all mean "unreadable"

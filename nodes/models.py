@@ -9,7 +9,7 @@ import folder_paths
 from ..loaders.experts import ExpertSwitcher
 from ..loaders.formats import CONFIG, DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, find_experts
 from ..loaders.lora import EXPERTS as LORA_EXPERTS
-from ..loaders.lora import LoraSpec
+from ..loaders.lora import MAX_STRENGTH, LoraSpec
 from ..loaders.planner import expert_vram
 from ..loaders.request import RequestError, check_lora_merge, expert_pair_config
 from ..wan.config import DiTConfig
@@ -292,8 +292,8 @@ class LingBotLoRA:
                     "FLOAT",
                     {
                         "default": 1.0,
-                        "min": -10.0,
-                        "max": 10.0,
+                        "min": -MAX_STRENGTH,
+                        "max": MAX_STRENGTH,
                         "step": 0.01,
                         "tooltip": "Multiplier of the LoRA's delta (0 = off).",
                     },

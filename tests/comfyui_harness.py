@@ -31,6 +31,14 @@ FAST_LORAS = (
 )  # what the fast-preset workflow names
 FAST_MODEL = "lingbot_world_fast"  # what the Fast workflow names
 TESTS = Path(__file__).resolve().parent
+# Every wait below is for an idle machine; a busy 2-core CPU runs a tiny prompt 2-3x slower, so each limit is
+# multiplied by LINGBOT_COMFYUI_TIMEOUT_SCALE (default 4; raise it on a slower or shared machine).
+TIMEOUT_SCALE = float(os.environ.get("LINGBOT_COMFYUI_TIMEOUT_SCALE", "4"))
+
+
+def scaled(seconds: float) -> float:
+    """A time limit for this machine: `seconds` on an idle one, times LINGBOT_COMFYUI_TIMEOUT_SCALE."""
+    return seconds * TIMEOUT_SCALE
 
 
 def free_port() -> int:
@@ -173,6 +181,7 @@ class Server:
         return "\n".join(text.splitlines()[-lines:])
 
     def wait_ready(self, timeout: float = 150.0) -> None:
+        timeout = scaled(timeout)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -207,16 +216,22 @@ class Server:
         status, reply = self.submit(prompt)
         prompt_id = reply.get("prompt_id") if status == 200 else None
         if prompt_id:
-            self.request("/queue", {"delete": [prompt_id]})
-            self.request("/interrupt", {"prompt_id": prompt_id})
-            end = time.monotonic() + 60
-            while time.monotonic() < end:
-                queue = self.get("/queue")
-                if not any(item[1] == prompt_id for item in queue["queue_running"] + queue["queue_pending"]):
-                    break
-                self.request("/interrupt", {"prompt_id": prompt_id})
-                time.sleep(0.2)
+            self.drain(prompt_id)
         return status, reply
+
+    def drain(self, prompt_id: str | None = None) -> None:
+        """Drop `prompt_id` from the queue and interrupt it (None: clear the whole queue and interrupt
+        whatever runs), then wait until it no longer runs, so the next prompt starts on an idle server."""
+        self.request("/queue", {"delete": [prompt_id]} if prompt_id else {"clear": True})
+        interrupt = {"prompt_id": prompt_id} if prompt_id else {}
+        end = time.monotonic() + scaled(60)
+        while time.monotonic() < end:
+            self.request("/interrupt", interrupt)
+            queue = self.get("/queue")
+            items = queue["queue_running"] + queue["queue_pending"]
+            if not any(prompt_id in (None, item[1]) for item in items):
+                return
+            time.sleep(0.2)
 
     def queue_prompt(self, prompt: dict) -> str:
         status, reply = self.submit(prompt)
@@ -224,6 +239,9 @@ class Server:
         return reply["prompt_id"]
 
     def wait_history(self, prompt_id: str, timeout: float) -> dict:
+        """The prompt's history entry once it succeeded or failed, within `timeout` seconds (scaled); past
+        that the queue is cleared and the run interrupted, so a slow prompt cannot delay the next test."""
+        timeout = scaled(timeout)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             entry = self.get(f"/history/{prompt_id}").get(prompt_id)
@@ -233,7 +251,12 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ComfyUI died:\n{self.log()}")
             time.sleep(0.5)
-        raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout:g} s:\n{self.log()}")
+        log = self.log()
+        self.drain()
+        raise TimeoutError(
+            f"prompt {prompt_id} did not finish within {timeout:g} s (LINGBOT_COMFYUI_TIMEOUT_SCALE="
+            f"{TIMEOUT_SCALE:g}); the queue was cleared:\n{log}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -3,9 +3,10 @@
 tests/golden/*.safetensors come from tests/golden/make_golden.py (its docstring has the command);
 they hold upstream's UniPC trajectories, camera tensors for examples/00 (Cam, Act, act2cam from files
 and from an action string, at 464x832 and 720x1280), a tiny cam / plain DiT forward and a tiny VAE
-encode/decode, with the tiny weights. The scheduler and camera code are bit-identical to upstream;
-the DiT and VAE (fp32 here; accumulation order differs) get tight tolerances, ~5x the differences
-measured when the files were made (DiT 1e-6, VAE encode 7e-7, decode 4e-5).
+encode/decode, with the tiny weights. The scheduler and camera code are bit-identical to upstream
+(where the files were made; ulp-close on other machines); the DiT and VAE (fp32 here; accumulation
+order differs) get tight tolerances, ~5x the differences measured when the files were made (DiT 1e-6,
+VAE encode 7e-7, decode 4e-5).
 """
 
 import functools
@@ -46,11 +47,11 @@ def _params(name: str, field: str) -> list:
     return [pytest.param(item, id=item["key"]) for item in items]
 
 
-# Bit-identity was verified with torch's AVX2 and AVX512 CPU kernels (what x86-64 CI machines run).
-# Other kernel sets round a few fp32 ops differently by one ulp (measured with
-# ATEN_CPU_CAPABILITY=default; ARM builds may too), so there the "exact" checks allow ulp-scale
-# differences instead.
-EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+# Bit-identity was verified on the machine that made the golden data (make_golden.py runs upstream's code
+# there). Another CPU or torch build rounds a few fp32 ops differently by one ulp (measured: ARM, and
+# ATEN_CPU_CAPABILITY=default, but also other AVX512 Xeons and torch builds, so the CPU's instruction set
+# does not tell), and upstream's code is not here to run on this machine; so the "exact" checks allow
+# ulp-scale differences on every machine, and name the largest difference when a value goes beyond.
 ULP_TOL = 1e-6
 
 
@@ -61,11 +62,11 @@ def _assert_equal(ours: torch.Tensor, want: torch.Tensor, what: str):
     if torch.equal(ours, want):
         return
     diff = (ours.double() - want.double()).abs()
-    if not EXACT and ours.is_floating_point() and bool((diff <= ULP_TOL * (1 + want.double().abs())).all()):
+    if ours.is_floating_point() and bool((diff <= ULP_TOL * (1 + want.double().abs())).all()):
         return
     i = int(diff.argmax())
     pytest.fail(
-        f"{what}: not bit-identical to upstream; {int((diff > 0).sum())} of {diff.numel()} values "
+        f"{what}: not ulp-close to upstream; {int((diff > 0).sum())} of {diff.numel()} values "
         f"differ, max |diff| {float(diff.max()):.3g} at flat index {i} "
         f"(ours {ours.flatten()[i].item()!r}, upstream {want.flatten()[i].item()!r})"
     )
@@ -145,9 +146,8 @@ def test_camera_bit_identical_to_upstream(variant):
     _assert_equal(cam.flatten()[index], g[f"{key}/values"], f"{key} camera tensor (sampled elements)")
     per_cf = cam.sum(dim=(3, 4), dtype=torch.float64)[0]  # [C, F]
     del cam
-    # float64 sums of identical tensors, where only the summation order differs from upstream's layout
-    # (elsewhere: ulp-level element differences add up over ~1e5 elements per sum)
-    tol = dict(rtol=1e-11, atol=1e-9) if EXACT else dict(rtol=1e-5, atol=1e-4)
+    # float64 sums over ~1e5 elements each: their ulp-level differences add up
+    tol = dict(rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(per_cf.sum(1), g[f"{key}/channel_sums"], **tol)
     torch.testing.assert_close(per_cf.sum(0), g[f"{key}/frame_sums"], **tol)
 

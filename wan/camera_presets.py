@@ -254,7 +254,7 @@ def allot_frames(segments: list, frame_num: int | None, text: str = "") -> tuple
     if issue:
         raise _err(text, issue)
     if not 5 <= frame_num <= MAX_FRAMES:
-        raise _err(text, f"frame_num must be in [5, {MAX_FRAMES}], got {frame_num}")
+        raise _err(text, f"frame_num: expected 5 to {MAX_FRAMES} frames, got {frame_num}")
     steps = frame_num - 1
     if fixed > steps:
         raise _err(
@@ -289,9 +289,10 @@ def build_preset(
         or not math.isfinite(speed)
         or speed < 0
     ):
-        raise _err(text, f"speed must be a finite number >= 0, got {speed!r}")
-    if not (isinstance(hfov_deg, (int, float)) and 1.0 <= hfov_deg <= 170.0):
-        raise _err(text, f"field of view must be in [1, 170] degrees, got {hfov_deg!r}")
+        raise _err(text, f"speed: expected a finite number >= 0, got {speed!r}")
+    issue = fov_issue(hfov_deg)
+    if issue:
+        raise _err(text, issue)
     h, w = (int(v) for v in size)
     if h < 16 or w < 16:
         raise _err(text, f"size must be at least 16x16 pixels, got {h}x{w}")
@@ -316,10 +317,20 @@ def build_preset(
     return PresetPath(poses.astype(np.float32), intrinsics, frame_num, text.strip())
 
 
+def fov_issue(hfov_deg) -> str | None:
+    """None if `hfov_deg` is a usable horizontal field of view, else what is wrong with it."""
+    if isinstance(hfov_deg, bool) or not isinstance(hfov_deg, (int, float)) or not 1.0 <= hfov_deg <= 170.0:
+        return f"fov: expected a horizontal field of view in [1, 170] degrees, got {hfov_deg!r}"
+    return None
+
+
 def preset_intrinsics(
     focal_factor: np.ndarray, size: tuple, hfov_deg: float = DEFAULT_HFOV_DEG
 ) -> np.ndarray:
     """[N, 4] (fx, fy, cx, cy) at 480x832 for square pixels at `size` (H, W), principal point centred."""
+    issue = fov_issue(hfov_deg)
+    if issue:
+        raise ValueError(issue)
     h, w = size
     ref_h, ref_w = INTRINSICS_SIZE
     focal = (w / 2) / math.tan(math.radians(hfov_deg) / 2) * np.asarray(focal_factor, dtype=np.float64)

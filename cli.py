@@ -152,6 +152,17 @@ DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when PyTorch sees a GPU, else 
 KV_DTYPES = ["bf16", "fp8"]  # loaders.fast_run.KV_DTYPES' names, without importing torch to list them
 
 
+def add_seed_arg(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--seed",
+        "--base_seed",
+        dest="seed",
+        type=int,
+        default=DEFAULTS.seed,
+        help="noise seed; negative: a random one",
+    )
+
+
 def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
     """The generate arguments; `planning` (the `plan` command): no files needed (--model instead)."""
     p.add_argument(
@@ -220,14 +231,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         default=list(DEFAULTS.guide_scale),
         help="one value, or two: low-noise high-noise",
     )
-    p.add_argument(
-        "--seed",
-        "--base_seed",
-        dest="seed",
-        type=int,
-        default=DEFAULTS.seed,
-        help="noise seed; negative: a random one",
-    )
+    add_seed_arg(p)
     p.add_argument(
         "--solver",
         "--sample_solver",
@@ -1166,14 +1170,7 @@ def add_fast_args(p: argparse.ArgumentParser):
         f"{max_frame_num(4)} for v2); rounded down to whole chunks (v1 Fast: 3 latent frames, 81 -> 81, "
         "161 -> 153; v2: 4, 81 -> 77); with --keys - the most the clip may run",
     )
-    p.add_argument(
-        "--seed",
-        "--base_seed",
-        dest="seed",
-        type=int,
-        default=DEFAULTS.seed,
-        help="noise seed; negative: a random one",
-    )
+    add_seed_arg(p)
     p.add_argument(
         "--sample_shift",
         type=float,

@@ -34,6 +34,36 @@ def fake_comfy(monkeypatch):
     return lambda ckpt, input_dir: install_fake_comfy(monkeypatch, ckpt, input_dir)
 
 
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Any text-encoder, VAE or expert load fails the test: a bad request's error must come first (files
+    that also guard other loads define their own `nothing_loads`)."""
+
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
+    monkeypatch.setattr(cli, "load_vae", loaded)
+    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
+
+
+@pytest.fixture(scope="module")
+def fast_ckpt(nf4_ckpt, tmp_path_factory):
+    """A base-cam folder (the tiny demo checkpoint's files) holding lingbot_world_fast/: one tiny cam DiT
+    as fp32 diffusers shards with their index, as the Fast release ships it."""
+    import torch
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
+    from lingbot_world.loaders.fast_checkpoint import FAST_DIR
+
+    root = tmp_path_factory.mktemp("fast_base_cam")
+    for entry in nf4_ckpt.iterdir():
+        (root / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    cfg = resolve_checkpoint_dir(nf4_ckpt).config
+    synthetic.write_diffusers_expert(root / FAST_DIR, cfg, seed=11, dtype=torch.float32, shards=2)
+    return root
+
+
 @pytest.fixture(scope="session")
 def nf4_ckpt(tmp_path_factory) -> Path:
     """The demo's tiny NF4 checkpoint folder (experts, umT5, tokenizer, VAE), built once per session."""

@@ -1,18 +1,27 @@
 """Helpers shared by several test files (tests import them from here, never from another test file):
-CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example, and the
-block-swap tests' tiny NF4 expert with its LoRA."""
+CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example, the
+block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks (arguments, a linked checkpoint
+copy, the one-error check), a kohya LoRA file, a Fast session's forward recorder and a process-exit wait."""
 
+import os
 import sys
+import time
 import types
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
+from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.stream import load_expert
+from lingbot_world.wan.fast import FastSession
 from lingbot_world.wan.lora import Lora
 from PIL import Image
+from safetensors.torch import save_file
 
+ROOT = Path(__file__).resolve().parents[1]
+EXPERT = "high_noise_model_bnb_nf4/model.safetensors"  # the tiny demo checkpoint's high-noise expert
 SWAP_CFG = S.tiny_config(num_layers=4)  # the block-swap tests' expert
 
 
@@ -128,3 +137,114 @@ def lora_for(model, targets=("blocks.3.self_attn.q", "blocks.2.ffn.0", "blocks.0
         )
     patches["blocks.3.norm3"] = (None, None, None, torch.randn(model.dim, generator=g) * 0.1, None)
     return Lora(patches, 1.0, "test")
+
+
+class RunsCode:
+    """A pickle that would run code when loaded."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def link_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint folder as symlinks, so one file can be replaced without copying the rest."""
+    dst.mkdir()
+    for entry in src.iterdir():
+        if entry.is_dir():
+            link_copy(entry, dst / entry.name)
+        else:
+            (dst / entry.name).symlink_to(entry)
+    return dst
+
+
+def args_for(ckpt, action_path, out, *extra):
+    return [
+        "generate",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(ROOT / "examples" / "00" / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--action_path",
+        str(action_path),
+        "--size",
+        "64*112",
+        "--frame_num",
+        "9",
+        "--sampling_steps",
+        "2",
+        "--device",
+        "cpu",
+        "--output",
+        str(out),
+        *extra,
+    ]
+
+
+def expect_clear_error(capsys, args, out: Path, *needles) -> str:
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not out.exists() and not list(out.parent.glob(".*partial*"))
+    return err
+
+
+def fast_args(ckpt, example, out, *extra):
+    return [
+        "fast",
+        "--ckpt_dir",
+        str(ckpt),
+        "--image",
+        str(example / "image.jpg"),
+        "--prompt",
+        "a castle",
+        "--size",
+        "64*112",
+        "--device",
+        "cpu",
+        "--t5_mode",
+        "inprocess",
+        "--output",
+        str(out),
+        *extra,
+    ]
+
+
+def tiny_lora(path, config, seed=0, rank=2):
+    """A kohya-layout LoRA on a few of the experts' Linears."""
+    g = torch.Generator().manual_seed(seed)
+    dim, ffn = config.dim, config.ffn_dim
+    tensors = {}
+    for name, (out_f, in_f) in {"blocks_0_self_attn_q": (dim, dim), "blocks_1_ffn_0": (ffn, dim)}.items():
+        tensors[f"lora_unet_{name}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
+        tensors[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
+        tensors[f"lora_unet_{name}.alpha"] = torch.tensor(float(rank))
+    save_file(tensors, str(path))
+    return path
+
+
+def record_forwards(session: FastSession) -> list:
+    flows, forward = [], session._forward
+
+    def rec(*args):
+        out = forward(*args)
+        flows.append(out)
+        return out
+
+    session._forward = rec
+    return flows
+
+
+def _gone(proc: psutil.Process, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False

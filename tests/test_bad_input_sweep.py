@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import _gone, args_for, expect_clear_error, fast_args
 from lingbot_world import cli
 from lingbot_world.loaders import fast_run
 from lingbot_world.loaders import planner as memplan
@@ -30,9 +31,6 @@ from lingbot_world.loaders.video import Mp4Writer, read_mp4_info, write_mp4
 from lingbot_world.wan.config import A14B
 from lingbot_world.wan.fast import MAX_FRAME_NUM, FastConfig, fast_frame_num, fast_latent_frames
 from lingbot_world.wan.pipeline import frames_to_uint8
-from test_cli_reliability import args_for, expect_clear_error, nothing_loads  # noqa: F401
-from test_fast_ui import fast_args, fast_ckpt  # noqa: F401
-from test_text_encode import _gone
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "00"
@@ -44,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("embedding_cache")
 
 @pytest.mark.parametrize("keys", [[], ["--keys", "-"]], ids=["whole-clip", "keys-stdin"])
 @pytest.mark.usefixtures("nothing_loads")
-def test_fast_frame_num_is_bounded_by_the_rope_table(fast_ckpt, tmp_path, capsys, keys):  # noqa: F811
+def test_fast_frame_num_is_bounded_by_the_rope_table(fast_ckpt, tmp_path, capsys, keys):
     out = tmp_path / "o.mp4"
     args = fast_args(fast_ckpt, EXAMPLE, out, "--frame_num", "100001", *keys)
     err = expect_clear_error(capsys, args, out, "--frame_num", f"at most {MAX_FRAME_NUM} frames", "100001")
@@ -89,7 +87,7 @@ def test_fast_frames_go_into_the_mp4_as_they_come(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["streamed.mp4", "whole.mp4"]
 
 
-def test_fast_memory_counts_what_grows_with_the_clip(fast_ckpt):  # noqa: F811
+def test_fast_memory_counts_what_grows_with_the_clip(fast_ckpt):
     """The prediction holds the condition and the first-frame encode's video, which grow with the clip, and
     the host RAM; a host without that RAM gets a message saying so."""
     files = resolve_fast_dir(fast_ckpt)

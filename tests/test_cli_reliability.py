@@ -13,28 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import unreadable
+from helpers import EXPERT, RunsCode, args_for, expect_clear_error, link_copy
 from lingbot_world import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("embedding_cache")
-
-
-class RunsCode:
-    """A pickle that would run code when loaded."""
-
-    def __reduce__(self):
-        return (os.system, ("echo pwned",))
-
-
-def link_copy(src: Path, dst: Path) -> Path:
-    """The checkpoint folder as symlinks, so one file can be replaced without copying the rest."""
-    dst.mkdir()
-    for entry in src.iterdir():
-        if entry.is_dir():
-            link_copy(entry, dst / entry.name)
-        else:
-            (dst / entry.name).symlink_to(entry)
-    return dst
 
 
 def replace_file(path: Path, data: bytes) -> None:
@@ -47,7 +30,6 @@ def safetensors_bytes(header: dict, body: bytes = b"") -> bytes:
     return len(raw).to_bytes(8, "little") + raw + body
 
 
-EXPERT = "high_noise_model_bnb_nf4/model.safetensors"
 CKPT_CASES = {
     "empty expert": (EXPERT, b"", "model.safetensors"),
     "truncated expert": (EXPERT, None, "model.safetensors"),
@@ -88,51 +70,6 @@ def damage(root: Path, how, rel: str) -> None:
         tensors[key] = tensors[key][:-1].clone()
     path.unlink()
     save_file(tensors, str(path))
-
-
-def args_for(ckpt, action_path, out, *extra):
-    return [
-        "generate",
-        "--ckpt_dir",
-        str(ckpt),
-        "--image",
-        str(ROOT / "examples" / "00" / "image.jpg"),
-        "--prompt",
-        "a castle",
-        "--action_path",
-        str(action_path),
-        "--size",
-        "64*112",
-        "--frame_num",
-        "9",
-        "--sampling_steps",
-        "2",
-        "--device",
-        "cpu",
-        "--output",
-        str(out),
-        *extra,
-    ]
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def loaded(*a, **k):
-        raise AssertionError("a model was loaded before the request was checked")
-
-    monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
-    monkeypatch.setattr(cli, "load_vae", loaded)
-    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
-
-
-def expect_clear_error(capsys, args, out: Path, *needles) -> str:
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert not out.exists() and not list(out.parent.glob(".*partial*"))
-    return err
 
 
 @pytest.mark.parametrize("case", CKPT_CASES)

@@ -10,6 +10,7 @@ from pathlib import Path
 import bitsandbytes as bnb
 import pytest
 import torch
+from helpers import record_forwards
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.stream import load_expert
 from lingbot_world.wan import attention as attention_backends
@@ -47,18 +48,6 @@ def golden_model() -> WanModel:
     model.load_state_dict(weights, strict=True)
     model.compute_dtype = torch.float32  # upstream ran in fp32 (its attention too)
     return model
-
-
-def record_forwards(session: FastSession) -> list:
-    flows, forward = [], session._forward
-
-    def rec(*args):
-        out = forward(*args)
-        flows.append(out)
-        return out
-
-    session._forward = rec
-    return flows
 
 
 @pytest.mark.parametrize("run", ["full", "window"])

@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import node_inputs
+from helpers import fast_args, node_inputs
 from lingbot_world import cli
-from lingbot_world.loaders import fast_run, synthetic
+from lingbot_world.loaders import fast_run
 from lingbot_world.loaders.camera_files import CameraInput
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR, resolve_fast_dir
 from lingbot_world.loaders.stream import load_expert
@@ -30,45 +30,6 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.usefixtures("embedding_cache")
 SIZE = (6, 14, 48, 112)  # examples/00's 1280x720 image at 64*112
-
-
-@pytest.fixture(scope="module")
-def fast_ckpt(nf4_ckpt, tmp_path_factory):
-    """A base-cam folder (the tiny demo checkpoint's files) holding lingbot_world_fast/: one tiny cam DiT
-    as fp32 diffusers shards with their index, as the Fast release ships it."""
-    root = tmp_path_factory.mktemp("fast_base_cam")
-    for entry in nf4_ckpt.iterdir():
-        (root / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    cfg = resolve_fast_dir_config(nf4_ckpt)
-    synthetic.write_diffusers_expert(root / FAST_DIR, cfg, seed=11, dtype=torch.float32, shards=2)
-    return root
-
-
-def resolve_fast_dir_config(nf4_ckpt):
-    from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
-
-    return resolve_checkpoint_dir(nf4_ckpt).config
-
-
-def fast_args(ckpt, example, out, *extra):
-    return [
-        "fast",
-        "--ckpt_dir",
-        str(ckpt),
-        "--image",
-        str(example / "image.jpg"),
-        "--prompt",
-        "a castle",
-        "--size",
-        "64*112",
-        "--device",
-        "cpu",
-        "--t5_mode",
-        "inprocess",
-        "--output",
-        str(out),
-        *extra,
-    ]
 
 
 class Offline:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import node_inputs
+from helpers import node_inputs, tiny_lora
 from lingbot_world import cli
 from lingbot_world.loaders import checkpoints, request
 from lingbot_world.loaders.camera_files import CameraInput
@@ -20,7 +20,7 @@ from lingbot_world.loaders.experts import ExpertSwitcher
 from lingbot_world.loaders.lora import LoraSpec
 from lingbot_world.wan.config import DiTConfig, SampleConfig
 from lingbot_world.wan.lora import LoraError, attached_loras
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CAM = DiTConfig(text_dim=32)
@@ -300,19 +300,6 @@ def test_sigterm_ends_cleanly(ckpt, shipped_example, tmp_path):
 
 
 # ------------------------------------------------------------------ CLI and sampler node: one path
-
-
-def tiny_lora(path, config, seed=0, rank=2):
-    """A kohya-layout LoRA on a few of the experts' Linears."""
-    g = torch.Generator().manual_seed(seed)
-    dim, ffn = config.dim, config.ffn_dim
-    tensors = {}
-    for name, (out_f, in_f) in {"blocks_0_self_attn_q": (dim, dim), "blocks_1_ffn_0": (ffn, dim)}.items():
-        tensors[f"lora_unet_{name}.lora_down.weight"] = torch.randn(rank, in_f, generator=g) * 0.3
-        tensors[f"lora_unet_{name}.lora_up.weight"] = torch.randn(out_f, rank, generator=g) * 0.3
-        tensors[f"lora_unet_{name}.alpha"] = torch.tensor(float(rank))
-    save_file(tensors, str(path))
-    return path
 
 
 def test_switcher_attaches_the_plans_loras(ckpt, tmp_path):

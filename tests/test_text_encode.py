@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import _gone
 from lingbot_world.loaders import text_encode as tx
 from lingbot_world.loaders import text_encoder as te
 from lingbot_world.loaders.monitor import RssSampler, rss_anon
@@ -412,18 +413,6 @@ def _start_parent(ckpt, tmp_path, on_sigterm):
         time.sleep(0.01)
     parent.kill()
     raise AssertionError("the encoder child did not start")
-
-
-def _gone(proc: psutil.Process, within: float) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @pytest.mark.parametrize("on_sigterm", ["systemexit", "interrupt"])

@@ -6,15 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import EXPERT, RunsCode, args_for, fast_args, link_copy, tiny_lora
 from lingbot_world import cli
 from lingbot_world.loaders import fast_run, tensor_file
 from lingbot_world.loaders.lora import LoraSpec
 from lingbot_world.loaders.request import read_expert_loras
 from lingbot_world.loaders.synthetic_text import TINY, upstream_state_dict
 from safetensors.torch import load_file, save_file
-from test_cli_reliability import EXPERT, RunsCode, args_for, link_copy
-from test_fast_ui import fast_args, fast_ckpt  # noqa: F401 - fast_ckpt is a fixture
-from test_request import _fake_comfy, tiny_lora
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "00"
@@ -69,7 +67,7 @@ def test_camera_frames_name_the_flag(frames, source, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("shift", ["0", "nan", "-3"])
-def test_fast_sample_shift_names_the_flag(shift, fast_ckpt, tmp_path, capsys, nothing_loads):  # noqa: F811
+def test_fast_sample_shift_names_the_flag(shift, fast_ckpt, tmp_path, capsys, nothing_loads):
     out = tmp_path / "o.mp4"
     exits_2(capsys, fast_args(fast_ckpt, EXAMPLE, out, "--sample_shift", shift), "--sample_shift: ")
     nothing_written(tmp_path)
@@ -84,7 +82,7 @@ def test_camera_fov_and_speed_name_the_flag(
     flag,
     value,
     nf4_ckpt,
-    fast_ckpt,  # noqa: F811
+    fast_ckpt,
     tmp_path,
     capsys,
     nothing_loads,
@@ -106,7 +104,7 @@ def test_camera_fov_and_speed_name_the_flag(
     nothing_written(tmp_path, "keys.txt")
 
 
-def test_binary_keys_file_is_named(fast_ckpt, tmp_path, capsys, nothing_loads):  # noqa: F811
+def test_binary_keys_file_is_named(fast_ckpt, tmp_path, capsys, nothing_loads):
     keys = tmp_path / "keys.bin"
     keys.write_bytes(bytes(range(256)))
     out = tmp_path / "o.mp4"
@@ -117,7 +115,7 @@ def test_binary_keys_file_is_named(fast_ckpt, tmp_path, capsys, nothing_loads): 
 
 
 @pytest.mark.parametrize("flag", ["--prompt", "--n_prompt", "fast --prompt"])
-def test_prompt_that_is_not_utf8_names_the_flag(flag, nf4_ckpt, fast_ckpt, tmp_path, capsys):  # noqa: F811
+def test_prompt_that_is_not_utf8_names_the_flag(flag, nf4_ckpt, fast_ckpt, tmp_path, capsys):
     """Bytes that are not UTF-8 on a POSIX command line reach Python as lone surrogates (surrogateescape)."""
     out, text = tmp_path / "o.mp4", "a castle \udcff\udcfe"
     if flag == "--n_prompt":
@@ -150,7 +148,7 @@ def _other_width_t5(ckpt: Path) -> Path:
     return path
 
 
-def test_text_encoder_width_names_the_files(nf4_ckpt, fast_ckpt, tmp_path, capsys, nothing_loads):  # noqa: F811
+def test_text_encoder_width_names_the_files(nf4_ckpt, fast_ckpt, tmp_path, capsys, nothing_loads):
     ckpt = link_copy(nf4_ckpt, tmp_path / "ckpt")
     t5 = _other_width_t5(ckpt)
     out = tmp_path / "o.mp4"
@@ -198,8 +196,8 @@ def test_lora_strength_is_bounded(strength, nf4_ckpt, tmp_path, capsys, nothing_
     nothing_written(tmp_path)
 
 
-def test_lora_node_takes_the_same_bound(nf4_ckpt, tmp_path, monkeypatch):
-    nodes = _fake_comfy(monkeypatch, nf4_ckpt, tmp_path)
+def test_lora_node_takes_the_same_bound(nf4_ckpt, tmp_path, fake_comfy):
+    nodes = fake_comfy(nf4_ckpt, tmp_path)
     tiny_lora(tmp_path / "l.safetensors", cli.checkpoints.resolve_checkpoint_dir(nf4_ckpt).config)
     (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(nf4_ckpt))
     with pytest.raises(ValueError, match=r"strength must be a number in \[-10, 10\], got 1e\+30"):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import node_inputs, record_forwards
 from lingbot_world import cli
 from lingbot_world.loaders import fast_checkpoint as FC
 from lingbot_world.loaders import fast_run
@@ -34,8 +35,6 @@ from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_fast import record_forwards
-from test_request import _fake_comfy, node_inputs
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v2.safetensors"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "00"
@@ -318,7 +317,7 @@ def fast_args(ckpt, example, out, *extra):
 
 
 @pytest.mark.usefixtures("embedding_cache")
-def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tmp_path, capsys, monkeypatch):
+def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tmp_path, capsys, fake_comfy):
     """`fast --ckpt_dir <1.3B> --assets_dir <14B>` -> an MP4 of whole 4-frame chunks (13 + 16 frames), its
     latent generate_fast's with the 1.3B's settings (shift 5, window 18 / 6, steps 0/250/500/750); the
     Fast nodes on the same folder with their model defaults give the same latent."""
@@ -350,7 +349,7 @@ def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tm
     other = generate_fast(load_expert(files.source, "cpu"), context, y, cam, (8, *SIZE[:2]), v1, "cpu")
     assert not torch.equal(other, want)
 
-    nodes = _fake_comfy(monkeypatch, repo14, tmp_path)
+    nodes = fake_comfy(repo14, tmp_path)
     (model,) = nodes.LingBotFastLoader().load("-", False, 0.0, ckpt_dir=str(repo13))
     assert model.kind.name == "v2-1.3b"
     text, vae, camera, image = node_inputs(nodes, shipped_example)
@@ -416,8 +415,8 @@ def test_keys_steering_takes_4_frame_chunks():
     np.testing.assert_allclose(steering.latent_poses().numpy(), poses[::4], atol=1e-6)
 
 
-def test_fast_nodes_list_v2_folders(repo14, tmp_path, monkeypatch):
-    nodes = _fake_comfy(monkeypatch, repo14, tmp_path)
+def test_fast_nodes_list_v2_folders(repo14, tmp_path, monkeypatch, fake_comfy):
+    nodes = fake_comfy(repo14, tmp_path)
     rel = [
         "lingbot-world-v2-14b-causal-fast/transformers/model-00001-of-00008.safetensors",
         "lingbot-world-v2-1.3b-causal-fast/model-00006-of-00006.safetensors",

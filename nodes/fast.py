@@ -112,14 +112,6 @@ class LingBotFastLoader:
                         "lingbot_world_fast(_nf4)/ or the v2 14B folder; when set it replaces the list above.",
                     },
                 ),
-                "model_kind": (
-                    list(MODEL_CHOICES),
-                    {
-                        "default": "auto",
-                        "tooltip": "Which model it is: auto (from its files), fast (v1), v2-14b, v2-1.3b. It sets "
-                        "the chunk (3 or 4 latent frames), the steps and the sampler's model defaults.",
-                    },
-                ),
                 "swap_blocks": (
                     "INT",
                     {
@@ -129,6 +121,14 @@ class LingBotFastLoader:
                         "step": 1,
                         "tooltip": "DiT blocks kept in pinned host RAM and streamed to the GPU one block ahead of "
                         "their turn: less VRAM, identical results, a little slower. 0 = all on the GPU.",
+                    },
+                ),
+                "model_kind": (
+                    list(MODEL_CHOICES),
+                    {
+                        "default": "auto",
+                        "tooltip": "Which model it is: auto (from its files), fast (v1), v2-14b, v2-1.3b. It sets "
+                        "the chunk (3 or 4 latent frames), the steps and the sampler's model defaults.",
                     },
                 ),
             },

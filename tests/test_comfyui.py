@@ -266,9 +266,17 @@ def test_fast_preset_runs_with_loras_and_one_forward_a_step(server):
 
 
 def test_lora_node_mode_defaults_to_side_path_and_refuses_merging_into_nf4(server):
-    """The fast preset was saved before LingBot LoRA's optional mode widget: it converts without it (the side
-    path, as before). Asking to merge into the NF4 experts fails in the LoRA node, naming the files."""
-    prompt = tiny_prompt(server, FAST_WORKFLOW, steps=2)
+    """A workflow saved before LingBot LoRA's optional mode widget (the fast preset as it was, 4 values)
+    converts without it (the side path, as before). Asking to merge into the NF4 experts fails in the LoRA
+    node, naming the files."""
+    ui = json.loads(FAST_WORKFLOW.read_text())
+    lora_nodes = [n for n in ui["nodes"] if n["type"] == "LingBotLoRA"]
+    assert lora_nodes and all(n["widgets_values"][4] == "side path" for n in lora_nodes)
+    for n in lora_nodes:
+        del n["widgets_values"][4:]
+    old_save = server.root / "fast_preset_before_mode.json"
+    old_save.write_text(json.dumps(ui))
+    prompt = tiny_prompt(server, old_save, steps=2)
     loras = [n["inputs"] for n in prompt.values() if n["class_type"] == "LingBotLoRA"]
     assert loras and all("mode" not in n for n in loras)
     assert server.object_info["LingBotLoRA"]["input"]["optional"]["mode"][0] == [

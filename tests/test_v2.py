@@ -326,7 +326,7 @@ def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tm
     assert cli.main(fast_args(repo13, shipped_example, out, *extra, "--save_latent", str(saved))) == 0
     printed = capsys.readouterr().out
     assert (
-        "LingBot-World 2.0 1.3B causal-fast: 2 chunks, 29 frames at 112x48, window 18 / sink 6, shift 5"
+        "LingBot-World 2.0 1.3B causal-fast: 2 chunks, 29 frames at 48*112, window 18 / sink 6, shift 5"
         in printed
     )
     assert "frames: 33 asked, 29 made (8 latent frames, whole chunks of 4)" in printed
@@ -390,7 +390,7 @@ def test_fast_command_steers_the_14b_folder_with_keys(repo14, shipped_example, t
     assert cli.main(fast_args(repo14, shipped_example, out, "--keys", str(keys), "--sink_size", "2")) == 0
     printed = capsys.readouterr().out
     assert (
-        "LingBot-World 2.0 14B causal-fast: 2 chunks, 29 frames at 112x48, window 18 / sink 2, shift 10"
+        "LingBot-World 2.0 14B causal-fast: 2 chunks, 29 frames at 48*112, window 18 / sink 2, shift 10"
         in printed
     )
     assert read_mp4_info(out)["frames"] == 29

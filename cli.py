@@ -48,7 +48,7 @@ def import_runtime() -> None:
         resolve_swap_blocks
     global FastConfig, FastSession, fast_frame_num, fast_latent_frames, KeySteering, KINDS
     global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile
-    if "torch" in globals():
+    if "_runtime_ready" in globals():
         return
     import torch
     from tqdm import tqdm
@@ -81,10 +81,14 @@ def import_runtime() -> None:
     from .wan.speed import SpeedOptions, SpeedStats
     from .wan.vae import DEFAULT_OVERLAP, check_tile
 
+    globals()["_runtime_ready"] = True  # last: an import that failed half way is tried again in full
+
 
 def __getattr__(name: str):
     """The model code's names for a caller using this module as a library (tests patch `cli.load_vae`)."""
-    if "torch" not in globals() and not name.startswith("__"):  # (the import system asks for __path__)
+    if "_runtime_ready" not in globals() and not name.startswith(
+        "__"
+    ):  # (the import system asks for __path__)
         import_runtime()
         if name in globals():
             return globals()[name]
@@ -430,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("--ckpt_dir", type=Path, help="also validate every checkpoint file from its headers")
     doctor.add_argument("--device", default="cuda", help="the CUDA device to check")
+    doctor.add_argument(
+        "--assets_dir",
+        type=Path,
+        help="text encoder, tokenizer and VAE for a folder without them (the v2 1.3B)",
+    )
     quantize = sub.add_parser(
         "quantize",
         help="a bf16/fp32 expert (e.g. lingbot_world_fast/, a v2 DiT) -> an NF4 folder that loads in seconds",
@@ -642,6 +651,7 @@ def run_inputs(args) -> list:
         ("--image", args.image),
         ("--action_path", args.action_path),
         ("--keys", None if keys in (None, "-") else keys),
+        ("--assets_dir", getattr(args, "assets_dir", None)),
         *(("--lora", spec.path) for spec in getattr(args, "lora", ())),
     ]
 
@@ -1490,7 +1500,7 @@ def main(argv=None) -> int:
         if args.command == "doctor":
             from .loaders import doctor
 
-            return doctor.main(args.ckpt_dir, args.device)
+            return doctor.main(args.ckpt_dir, args.device, args.assets_dir)
         return run_generate(args)
     except Terminated:
         print("terminated: models released, no output written", file=sys.stderr)

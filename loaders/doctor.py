@@ -108,16 +108,20 @@ def check_pyav() -> Check:
     return Check("PyAV", True, av.__version__)
 
 
-def check_checkpoints(ckpt_dir) -> list:
-    """Every checkpoint file validated from its headers: the two experts, the LingBot-World-Fast model (a
-    Fast folder, or a base-cam folder holding one: both are checked), the text encoder and the VAE."""
+def check_checkpoints(ckpt_dir, assets_dir=None) -> list:
+    """Every checkpoint file validated from its headers: the two experts, the chunked model (a Fast or v2
+    folder, or a base-cam folder holding a Fast one: both are checked), the text encoder and the VAE
+    (from `assets_dir` where the folder lacks them, as `fast --assets_dir`)."""
     from .checkpoints import resolve_checkpoint_dir
-    from .fast_checkpoint import fast_model_dir, is_model_folder, resolve_fast_dir
+    from .fast_checkpoint import fast_model_dir, is_model_folder, layout_kind, resolve_fast_dir
     from .text_encoder import read_encoder_config
     from .vae import check_vae
 
     root = Path(ckpt_dir).expanduser().resolve()
-    fast_folder = root.is_dir() and is_model_folder(root)  # the Fast model's own folder: no base experts
+    # the chunked model's own folder, or a v2 folder (its DiT in transformers/): no base experts
+    fast_folder = root.is_dir() and (
+        is_model_folder(root) or (layout_kind(fast_model_dir(root)) or "").startswith("v2")
+    )
     out, files = [], None
     if not fast_folder:
         try:
@@ -129,11 +133,13 @@ def check_checkpoints(ckpt_dir) -> list:
             out.append(Check("experts", True, f"{experts}, control {files.control_type}"))
     if fast_folder or fast_model_dir(root) != root:
         try:
-            fast = resolve_fast_dir(root)
+            fast = resolve_fast_dir(root, assets_dir=assets_dir and Path(assets_dir).expanduser().resolve())
         except (ValueError, OSError) as e:
             out.append(Check("Fast model", False, str(e)))
         else:
-            out.append(Check("Fast model", True, f"{fast.model.name}, control {fast.control_type}"))
+            out.append(
+                Check("Fast model", True, f"{fast.model.name}: {fast.kind.name}, control {fast.control_type}")
+            )
             files = files or fast
     if files is None:
         return out
@@ -164,11 +170,11 @@ def check_device(device: str) -> torch.device:
     return dev
 
 
-def run_checks(ckpt_dir=None, device: str = "cuda") -> list:
+def run_checks(ckpt_dir=None, device: str = "cuda", assets_dir=None) -> list:
     gpu = check_gpu(device)
     checks = [gpu, check_free_memory(device), check_pinned(), check_bitsandbytes(device), check_pyav()]
     if ckpt_dir is not None:
-        checks += check_checkpoints(ckpt_dir)
+        checks += check_checkpoints(ckpt_dir, assets_dir)
     return checks
 
 
@@ -179,8 +185,8 @@ def report(checks: list) -> str:
     return "\n".join(lines)
 
 
-def main(ckpt_dir=None, device: str = "cuda") -> int:
+def main(ckpt_dir=None, device: str = "cuda", assets_dir=None) -> int:
     check_device(device)
-    checks = run_checks(ckpt_dir, device)
+    checks = run_checks(ckpt_dir, device, assets_dir)
     print(report(checks))
     return 0 if all(c.ok for c in checks) else 1

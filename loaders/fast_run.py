@@ -41,6 +41,7 @@ from .planner import (
     encode_tile,
     encode_vram,
     expert_vram,
+    swap_host_ram,
 )
 
 KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
@@ -415,7 +416,12 @@ def fast_memory(
     least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
     encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
     encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
-    ram = int(max(encode_ram, PROCESS_RAM + MP4_RAM_PER_PIXEL * pixels))
+    ram = int(
+        max(
+            encode_ram,
+            PROCESS_RAM + MP4_RAM_PER_PIXEL * pixels + sum(swap_host_ram(m.nbytes, cfg.num_layers, swap)),
+        )
+    )
     return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work, condition, encode, ram)
 
 

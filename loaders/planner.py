@@ -153,6 +153,14 @@ def _tokens(lat_f: int, lat_h: int, lat_w: int) -> int:
     return i2v.seq_len(lat_f, lat_h, lat_w)
 
 
+def swap_host_ram(nbytes: int, num_layers: int, swap: int) -> tuple[int, int]:
+    """Host RAM a model of `nbytes` takes with `swap` blocks swapped: (assembled, pinned). With swap the
+    model is assembled in host RAM first (loaders.experts), beside the pinned copies of its swapped blocks."""
+    if not swap:
+        return 0, 0
+    return nbytes, int(swap) * (nbytes // max(num_layers, 1))
+
+
 def expert_vram(nbytes: int, num_layers: int, swap_blocks: int) -> int:
     """An expert's weights on the device with `swap_blocks` of its blocks in host RAM (two in flight)."""
     block = nbytes // max(num_layers, 1)
@@ -445,9 +453,7 @@ class Planner:
         for name in ("high", "low"):
             nbytes = int(r.expert_bytes[name])
             weights = expert_vram(nbytes, cfg.num_layers, swap)
-            pinned = int(swap) * (nbytes // max(cfg.num_layers, 1))  # host copies of the swapped blocks
-            # with swap the expert is assembled in host RAM first (loaders.experts), beside those copies
-            assembled = nbytes if swap else 0
+            assembled, pinned = swap_host_ram(nbytes, cfg.num_layers, swap)
             extra = int(lora.get(name, 0)) + act  # the VAE and latents are in the fit
             work = max(work, extra)
             vram = weights + extra

@@ -425,14 +425,17 @@ def sweep_stale_work_dirs(tmp_dir=None, min_age_s: float = 60.0) -> list[Path]:
     removed = []
     for folder in Path(tmp_dir or tempfile.gettempdir()).glob(f"{WORK_PREFIX}*_*"):
         try:
-            age = time.time() - folder.stat().st_mtime
-        except OSError:
+            info = folder.stat()
+            if info.st_uid != os.getuid():  # another user's (a shared /tmp): not ours to judge or read
+                continue
+            age = time.time() - info.st_mtime
+            if not folder.is_dir() or (not (folder / LOCK_NAME).is_file() and age < min_age_s):
+                continue
+            if _owner_running(folder):
+                continue
+            held = _lock(folder / LOCK_NAME) if (folder / LOCK_NAME).is_file() else True
+        except OSError:  # gone meanwhile, or unreadable: leave it
             continue
-        if not folder.is_dir() or (not (folder / LOCK_NAME).is_file() and age < min_age_s):
-            continue
-        if _owner_running(folder):
-            continue
-        held = _lock(folder / LOCK_NAME) if (folder / LOCK_NAME).is_file() else True
         if held is None:
             continue  # its owner is alive (or locking is unsupported)
         shutil.rmtree(folder, ignore_errors=True)

@@ -278,6 +278,29 @@ def test_sweep_deletes_only_folders_whose_owner_is_gone(tmp_path):
     assert folders["live"].is_dir() and folders["held"].is_dir()
 
 
+def test_sweep_leaves_other_users_folders(tmp_path):
+    """A shared /tmp: another user's folder (its owner gone or not) is neither read nor deleted, and the
+    sweep goes on (its 0700 lock would otherwise stop every encode with a PermissionError)."""
+    other = tmp_path / f"{tx.WORK_PREFIX}{_dead_pid()}_x"
+    other.mkdir()
+    (other / tx.LOCK_NAME).touch()
+    mine = tmp_path / f"{tx.WORK_PREFIX}{_dead_pid()}_y"
+    mine.mkdir()
+    (mine / tx.LOCK_NAME).touch()
+    real_stat = Path.stat
+
+    def stat(self, *a, **k):  # `other` belongs to uid+1 (chown needs root: faked here)
+        st = real_stat(self, *a, **k)
+        if self == other:
+            return os.stat_result((*st[:4], os.getuid() + 1, *st[5:]))
+        return st
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "stat", stat)
+        swept = tx.sweep_stale_work_dirs(tmp_path)
+    assert swept == [mine] and other.is_dir() and not mine.exists()
+
+
 def _is_encoder(proc: psutil.Process) -> bool:
     """The text-encoder child (not a helper some library starts), by the request file it is given."""
     try:

@@ -491,3 +491,21 @@ def test_chunked_tiled_decode_counts_every_tile_cache():
     # two tiles: the chunked stream keeps the other tile's caches too
     assert chunked - one_shot == 90 * 88 * mp.DECODE_CACHE_PER_LATENT_PIXEL
     assert mp.decode_vram(21, 90, 160, None, chunked=True) == mp.decode_vram(21, 90, 160, None)
+
+
+def test_chunked_host_ram_counts_block_swap():
+    """With --swap_blocks the chunked model is assembled in host RAM beside its swapped blocks' pinned copies,
+    as the generate planner counts (planner.swap_host_ram); without swap neither is there."""
+    from lingbot_world.loaders import fast_run
+    from lingbot_world.loaders.planner import swap_host_ram
+    from lingbot_world.wan.config import CHUNKED_KINDS
+    from lingbot_world.wan.fast import FastConfig
+
+    kind = CHUNKED_KINDS["v2-14b"]
+    model, config = fast_run.ChunkedModel.of_kind(kind), FastConfig.for_kind(kind)
+    shape = (4, 58, 104)  # one chunk: the loop's RAM, not the first-frame encode's, is the larger
+    plain = fast_run.fast_memory(model, shape, config, None, 0)
+    swapped = fast_run.fast_memory(model, shape, config, None, 13)
+    assembled, pinned = swap_host_ram(model.nbytes, kind.dit.num_layers, 13)
+    assert assembled == model.nbytes and pinned == 13 * (model.nbytes // 40)
+    assert swapped.ram == plain.ram + assembled + pinned and swap_host_ram(model.nbytes, 40, 0) == (0, 0)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from helpers import node_inputs, record_forwards
 from lingbot_world import cli
+from lingbot_world.loaders import doctor, fast_run
 from lingbot_world.loaders import fast_checkpoint as FC
-from lingbot_world.loaders import fast_run
 from lingbot_world.loaders import formats as F
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.camera_files import CameraInput
@@ -454,3 +454,36 @@ def test_bad_v2_input_exits_2_with_one_line(case, needle, repo14, shipped_exampl
     err = capsys.readouterr().err
     assert needle.format(folder=folder) in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_unbounded_cache_asked_for_takes_no_sink():
+    """`--local_attn_size -1` on a v2 model (documented sink 6) means all frames and no sink, not an error
+    about a sink the user never typed; an explicit sink with it is still refused."""
+    kind = CHUNKED_KINDS["v2-1.3b"]
+    config = fast_run.fast_config(None, 42, -1, None, "bf16", kind)
+    assert (config.local_attn_size, config.sink_size, config.chunk_frames) == (-1, 0, 4)
+    with pytest.raises(ValueError, match="sink_size"):
+        fast_run.fast_config(None, 42, -1, 6, "bf16", kind)
+
+
+def test_output_never_replaces_an_assets_file(repo13, repo14, shipped_example, tmp_path, capsys):
+    """The 1.3B reads its VAE from --assets_dir: --output (with --overwrite) onto it is refused."""
+    vae = next(p for p in repo14.iterdir() if p.name.startswith("Wan2.1_VAE"))
+    before = vae.read_bytes()
+    args = fast_args(repo13, shipped_example, vae, "--assets_dir", str(repo14), "--overwrite")
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--assets_dir" in err and "Traceback" not in err
+    assert vae.read_bytes() == before
+
+
+def test_doctor_checks_v2_folders(repo13, repo14, capsys):
+    """doctor on a v2 14B folder checks its DiT, text encoder and VAE without asking for base-cam experts;
+    the 1.3B's assets come from --assets_dir."""
+    checks = {c.name: c for c in doctor.check_checkpoints(repo14)}
+    assert "checkpoints" not in checks and checks["Fast model"].ok and "v2-14b" in checks["Fast model"].detail
+    assert checks["text encoder"].ok and checks["VAE"].ok
+    checks = {c.name: c for c in doctor.check_checkpoints(repo13, repo14)}
+    assert checks["Fast model"].ok and "v2-1.3b" in checks["Fast model"].detail and checks["VAE"].ok
+    (bad,) = [c for c in doctor.check_checkpoints(repo13) if not c.ok]
+    assert "--assets_dir" in bad.detail

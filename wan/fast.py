@@ -98,7 +98,10 @@ class FastConfig:
 
     @classmethod
     def for_kind(cls, kind: ChunkedKind, **settings) -> "FastConfig":
-        """The kind's chunk, step indices, shift and documented window; `settings` given as None keep them."""
+        """The kind's chunk, step indices, shift and documented window; `settings` given as None keep them.
+        An unbounded cache asked for (local_attn_size -1) without a sink takes none: a sink needs a window."""
+        if settings.get("local_attn_size") == -1 and settings.get("sink_size") is None:
+            settings = {**settings, "sink_size": 0}
         base = dict(
             chunk_frames=kind.chunk_frames,
             timestep_index=kind.timestep_index,

@@ -30,6 +30,10 @@ FAST_LORAS = (
     "wan2.2_i2v_lightx2v_4steps_lora_v1_low_noise.safetensors",
 )  # what the fast-preset workflow names
 FAST_MODEL = "lingbot_world_fast"  # what the Fast workflow names
+V2_MODELS = {  # what the v2 workflows name: the 1.3B's folder, the 14B's transformers/ inside its repo folder
+    "v2-1.3b": "lingbot-world-v2-1.3b-causal-fast",
+    "v2-14b": "lingbot-world-v2-14b-causal-fast/transformers",
+}
 TESTS = Path(__file__).resolve().parent
 # Every wait below is for an idle machine; a busy 2-core CPU runs a tiny prompt 2-3x slower, so each limit is
 # multiplied by LINGBOT_COMFYUI_TIMEOUT_SCALE (default 4; raise it on a slower or shared machine).
@@ -289,6 +293,13 @@ def build_models(root: Path, pack_root: Path) -> Path:
     write_diffusers_expert(
         models / "diffusion_models" / FAST_MODEL, fast_config, seed=11, dtype=torch.float32, shards=2
     )
+    # the v2 workflows' models in their released layouts (no config.json for the 1.3B: num_heads = dim / 128);
+    # their text encoder and VAE are the umT5 and VAE files below
+    from lingbot_world.loaders.synthetic import tiny_config, write_v2_1_3b, write_v2_14b_dit
+
+    v2_config = tiny_config(dim=256, num_heads=2, ffn_dim=256, text_len=512)
+    write_v2_1_3b(models / "diffusion_models" / V2_MODELS["v2-1.3b"], v2_config, seed=12)
+    write_v2_14b_dit(models / "diffusion_models" / Path(V2_MODELS["v2-14b"]).parent, v2_config, seed=13)
     (models / "text_encoders").mkdir(parents=True)
     t5 = torch.load(ckpt / "models_t5_umt5-xxl-enc-bf16.pth", map_location="cpu", weights_only=True)
     write_hf_safetensors(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from comfyui_harness import (
     PACK_FOLDER,
+    V2_MODELS,
     Server,
     build_models,
     full_size_vae,
@@ -33,6 +34,10 @@ NATIVE_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_native_text_vae.js
 FAST_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_fast_preset.json"
 SMALL_CARD_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_12gb.json"
 CHUNKED_WORKFLOW = ROOT / "example_workflows" / "lingbot_world_fast_chunked.json"
+V2_WORKFLOWS = {
+    "v2-1.3b": ROOT / "example_workflows" / "lingbot_world_v2_1_3b.json",
+    "v2-14b": ROOT / "example_workflows" / "lingbot_world_v2_14b.json",
+}
 NODE_IDS = {
     "LingBotFastLoader",
     "LingBotFastSampler",
@@ -311,6 +316,28 @@ def test_fast_chunked_workflow_runs_chunk_by_chunk(server):
     assert len(frames) == 21 and frames[0].shape == (48, 112, 3)
     log = server.log(400)
     assert "LingBot-World-Fast, 21 frames at 112x48 in 2 chunks" in log and "chunk 2/2: denoise" in log, log
+
+
+@pytest.mark.parametrize("kind, title", [("v2-1.3b", "1.3B"), ("v2-14b", "14B")])
+def test_v2_workflow_runs_chunk_by_chunk(server, kind, title):
+    """Each LingBot-World 2.0 workflow end to end on a tiny DiT in its released layout (the 1.3B's flat shards
+    as bf16, the 14B's transformers/ quantized to NF4 while loading), with the model's own settings:
+    2 chunks of 4 latent frames (13 + 16 = 29 frames), the documented window 18 / sink 6."""
+    api = ui_to_api(json.loads(V2_WORKFLOWS[kind].read_text()), server.object_info)
+    by_type = {n["class_type"]: n["inputs"] for n in api.values()}
+    loader, sampler = by_type["LingBotFastLoader"], by_type["LingBotFastSampler"]
+    assert (loader["model"], loader["model_kind"]) == (V2_MODELS[kind], kind)
+    assert loader["quantize_to_nf4"] == (kind == "v2-14b")
+    assert (sampler["shift"], sampler["local_attn_size"], sampler["sink_size"]) == (0.0, -2, -1)
+    sampler.update({"max_area": "64*112", "length": 33})
+    by_type["LingBotCameraPreset"]["preset"] = "dolly in 1 16f ease, pan right 20 16f"
+    by_type["SaveVideo"]["filename_prefix"] = f"lingbot_test/{kind}"
+    entry = server.wait_history(server.queue_prompt(api), timeout=150)
+    frames = saved_video(server, entry)
+    assert len(frames) == 29 and frames[0].shape == (48, 112, 3)
+    log = server.log(400)
+    assert f"LingBot-World 2.0 {title} causal-fast, 29 frames at 112x48 in 2 chunks" in log, log
+    assert "chunk 2/2: denoise" in log, log
 
 
 def test_small_card_preset_swaps_blocks_and_encodes_text_on_the_cpu(server):

@@ -1,5 +1,6 @@
 """Rank bodies for tests/test_parallel.py, spawned with torch.multiprocessing (importable by name)."""
 
+import contextlib
 import json
 import os
 import sys
@@ -48,6 +49,14 @@ def forward(model):
         return model(x, t, context, y=y, cam=cam)
 
 
+def peers_done():
+    """Ranks that finished wait for each other before gloo is torn down, as loaders.distributed does: a rank
+    that closes its connections while its peer's last work is in flight can abort that peer at exit
+    ("terminate called without an active exception", seen in CI)."""
+    with contextlib.suppress(RuntimeError):
+        dist.barrier()
+
+
 def dit_rank(rank, world, port, out_dir, lean=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -57,6 +66,7 @@ def dit_rank(rank, world, port, out_dir, lean=False):
         if lean:  # lean blocks on each rank's 23 local tokens, in chunks of 4 (the last one short)
             model.lean_activations, model.lean_chunk = True, 4
         torch.save(forward(model), Path(out_dir) / f"rank{rank}.pt")
+        peers_done()
     finally:
         dist.destroy_process_group()
 
@@ -141,6 +151,7 @@ def swap_rank(rank, world, port, out_dir, nf4_dir, lora):
             {"out": out, "live": len(swapper._live), "host": swapper.host_bytes},
             Path(out_dir) / f"rank{rank}.pt",
         )
+        peers_done()
     finally:
         dist.destroy_process_group()
 
@@ -182,6 +193,7 @@ def cached_rank(rank, world, port, out_dir, nf4_dir):
         finally:
             experts.close()
         torch.save({"latent": latent, "stats": stats}, Path(out_dir) / f"rank{rank}.pt")
+        peers_done()
     finally:
         dist.destroy_process_group()
 

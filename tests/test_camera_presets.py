@@ -303,9 +303,18 @@ def test_workflows_carry_models_and_fit_a_1600x1000_window(path):
             assert m["url"].startswith("https://huggingface.co/") and m["url"].endswith("/" + name)
             assert m["directory"] in ("text_encoders", "vae", "diffusion_models", "loras")
     description = wf["extra"]["info"]["description"]
-    assert "cahlen/lingbot-world-base-cam-nf4" in description
-    if any(n["type"] == "LingBotFastLoader" for n in wf["nodes"]):
-        assert "robbyant/lingbot-world-fast" in description
+    # each workflow names where its DiT comes from: the base-cam NF4 repack (v1 Fast lives in base-cam's
+    # folder too) or the LingBot-World 2.0 repo of the kind its Fast loader names
+    kinds = [n["widgets_values"][5] for n in wf["nodes"] if n["type"] == "LingBotFastLoader"]
+    for kind in kinds:
+        repo = (
+            f"robbyant/lingbot-world-{kind}-causal-fast"
+            if kind.startswith("v2")
+            else "robbyant/lingbot-world-fast"
+        )
+        assert repo in description, (path.name, repo)
+    if not kinds or any(k == "fast" or k == "auto" for k in kinds):
+        assert "cahlen/lingbot-world-base-cam-nf4" in description
     # visible area of a 1600x1000 window: minus the side bar (~50 px) and the menu/tabs (~90 px)
     scale, (ox, oy) = wf["extra"]["ds"]["scale"], wf["extra"]["ds"]["offset"]
     right = max(n["pos"][0] + n["size"][0] for n in wf["nodes"])

@@ -36,8 +36,9 @@ def fake_comfy(monkeypatch):
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
-    """Any text-encoder, VAE or expert load fails the test: a bad request's error must come first (files
-    that also guard other loads define their own `nothing_loads`)."""
+    """Any text-encoder, VAE, expert or chunked-model load fails the test: a bad request's error must come
+    first (files that also guard other loads define their own `nothing_loads`)."""
+    from lingbot_world.loaders import fast_run
 
     def loaded(*a, **k):
         raise AssertionError("a model was loaded before the request was checked")
@@ -45,6 +46,7 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
     monkeypatch.setattr(cli, "load_vae", loaded)
     monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
+    monkeypatch.setattr(fast_run.ExpertSwitcher, "__call__", loaded)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from lingbot_world import cli
-from lingbot_world.loaders import doctor, fast_run, synthetic
+from lingbot_world.loaders import doctor, synthetic
 from lingbot_world.loaders.camera_files import CameraInput, load_camera_dir
 from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR
@@ -25,17 +25,6 @@ from lingbot_world.wan.speed import SpeedOptions
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "00"
 pytestmark = pytest.mark.usefixtures("embedding_cache")
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def loaded(*a, **k):
-        raise AssertionError("a model was loaded before the input was checked")
-
-    monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
-    monkeypatch.setattr(cli, "load_vae", loaded)
-    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
-    monkeypatch.setattr(fast_run.ExpertSwitcher, "__call__", loaded)
 
 
 def generate_args(ckpt, out, *extra, command="generate"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import EXPERT, RunsCode, args_for, fast_args, link_copy, tiny_lora
 from lingbot_world import cli
-from lingbot_world.loaders import fast_run, tensor_file
+from lingbot_world.loaders import tensor_file
 from lingbot_world.loaders.lora import LoraSpec
 from lingbot_world.loaders.request import read_expert_loras
 from lingbot_world.loaders.synthetic_text import TINY, upstream_state_dict
@@ -18,17 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "00"
 T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 pytestmark = pytest.mark.usefixtures("embedding_cache")
-
-
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    def loaded(*a, **k):
-        raise AssertionError("a model was loaded before the input was checked")
-
-    monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
-    monkeypatch.setattr(cli, "load_vae", loaded)
-    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
-    monkeypatch.setattr(fast_run.ExpertSwitcher, "__call__", loaded)
 
 
 def exits_2(capsys, args, *needles, absent=()) -> str:

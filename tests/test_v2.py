@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import node_inputs, record_forwards
+from helpers import fast_args, node_inputs, record_forwards
 from lingbot_world import cli
 from lingbot_world.loaders import doctor, fast_run
 from lingbot_world.loaders import fast_checkpoint as FC
@@ -293,27 +293,6 @@ def test_quantize_writes_v2_nf4_folders_that_keep_their_kind(tmp_path, nf4_ckpt,
 
 
 # --- front ends ------------------------------------------------------------------------------------
-
-
-def fast_args(ckpt, example, out, *extra):
-    return [
-        "fast",
-        "--ckpt_dir",
-        str(ckpt),
-        "--image",
-        str(example / "image.jpg"),
-        "--prompt",
-        "a castle",
-        "--size",
-        "64*112",
-        "--device",
-        "cpu",
-        "--t5_mode",
-        "inprocess",
-        "--output",
-        str(out),
-        *extra,
-    ]
 
 
 @pytest.mark.usefixtures("embedding_cache")

@@ -30,10 +30,11 @@ print("ok", dit.WanModel.__name__, stream.load_expert.__name__)
 
 
 def test_layers_import_one_way():
-    """wan/ never imports loaders/ or nodes/; loaders/ never imports nodes/ or ComfyUI."""
+    """wan/ <- loaders/ <- session/ <- nodes/ and cli.py: no layer imports one above it or ComfyUI."""
     for layer, banned in (
-        ("wan", ("..loaders", "..nodes", "comfy", "folder_paths")),
-        ("loaders", ("..nodes", "comfy", "folder_paths")),
+        ("wan", ("..loaders", "..session", "..nodes", "comfy", "folder_paths")),
+        ("loaders", ("..session", "..nodes", "comfy", "folder_paths")),
+        ("session", ("..nodes", "..cli", "comfy", "folder_paths")),
     ):
         for path in (ROOT / layer).glob("*.py"):
             text = path.read_text()

@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 # a folder holding upstream LingBot-World's wan/ package (git archive HEAD wan | tar -x -C DIR)
 UPSTREAM_DIR = os.environ.get("LINGBOT_UPSTREAM_DIR")
+# a folder holding upstream LingBot-World 2.0's source tree (git archive 2648877 -- generate.py wan | tar -x -C DIR)
+UPSTREAM_V2_DIR = os.environ.get("LINGBOT_UPSTREAM_V2_DIR")
 
 pytestmark = pytest.mark.slow  # four CPU runs of whole scripts; CI runs them with -m slow
 
@@ -363,3 +365,48 @@ def test_bench_upstream_step(tmp_path):
     assert s["ours_over_upstream"] == pytest.approx(ours["step_s"] / up["step_s"], rel=1e-2)
     # the same weights and inputs: upstream's CFG prediction is ours up to bf16 compute
     assert 0 < up["cfg_pred_rel_diff_vs_ours"] < 0.02
+
+
+def test_bench_upstream_v2_refuses_a_folder_without_v2(tmp_path):
+    """The baseline needs upstream's v2 tree: without it, one message naming the flag and what is missing."""
+    script = ROOT / "benchmarks" / "bench_upstream_v2.py"
+    cmd = [sys.executable, str(script), "--scale", "tiny", "--upstream-v2", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert f"--upstream-v2 {tmp_path}: expected upstream LingBot-World 2.0" in out.stderr
+    assert "wan/image2video.py" in out.stderr
+
+
+@pytest.mark.skipif(
+    not UPSTREAM_V2_DIR,
+    reason="set LINGBOT_UPSTREAM_V2_DIR to a folder holding upstream v2's generate.py and wan/ "
+    "(git archive 2648877 -- generate.py wan of robbyant/lingbot-world-v2)",
+)
+def test_bench_upstream_v2(tmp_path):
+    s = run_tiny("bench_upstream_v2.py", tmp_path, "--upstream-v2", str(Path(UPSTREAM_V2_DIR).resolve()))
+    assert s["bench"] == "upstream_v2" and s["device"] == "cpu" and s["model"] == "v2-1.3b"
+    assert (
+        s["chunks"] == 5 and s["latent"] == [20, 4, 6] and s["window_sink"] == [18, 6] and s["shift"] == 5.0
+    )
+    assert s["upstream_attention"].startswith("SDPA stand-in") and s["ours_attention"] == "sdpa"
+    up, ours = s["upstream"], s["ours"]
+    assert up["video_frames"] == ours["video_frames"] == 77  # 13 + 4 x 16: both made the whole clip
+    for run in (up, ours):
+        assert len(run["dit_s"]) == len(run["decode_s"]) == 5 and min(run["dit_s"]) > 0
+        assert run["steady_dit_s"] == pytest.approx(sum(run["dit_s"][1:]) / 4, abs=2e-4)
+        assert run["steady_decode_s"] == pytest.approx(sum(run["decode_s"][1:]) / 4, abs=2e-4)
+        assert run["steady_chunk_s"] == pytest.approx(run["steady_dit_s"] + run["steady_decode_s"], abs=2e-4)
+        assert run["fps"] == pytest.approx(16 / run["steady_chunk_s"], rel=1e-3)
+        assert run["peak_vram_gib"] is None  # CPU: nothing on a card to report
+    # upstream decodes the whole clip once, after its last chunk: each chunk's share is a fifth of it
+    assert up["decode_s"] == pytest.approx([up["decode_clip_s"] / 5] * 5, abs=1e-4)
+    for chunk, steps, commit in zip(up["dit_s"], up["steps_s"], up["commit_s"], strict=True):
+        assert 0 < commit < chunk and steps == pytest.approx(chunk - commit, abs=3e-4)
+    assert s["fps_ours_over_upstream"] == pytest.approx(
+        up["steady_chunk_s"] / ours["steady_chunk_s"], rel=1e-2
+    )
+    assert s["dit_ours_over_upstream"] == pytest.approx(up["steady_dit_s"] / ours["steady_dit_s"], rel=1e-2)
+    assert s["target_3x"] is (s["fps_ours_over_upstream"] >= 3)
+    # the same work was timed: one set of weights, upstream's inputs and noise, fp32 on the CPU
+    assert len(s["rel_dev_per_chunk"]) == 5 and s["max_rel_dev_chunk_latents"] == max(s["rel_dev_per_chunk"])
+    assert 0 <= s["max_rel_dev_chunk_latents"] < 1e-5

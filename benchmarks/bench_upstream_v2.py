@@ -153,7 +153,9 @@ def timed_call(fn, device, out: list):
 
 
 @torch.no_grad()
-def run_upstream(up, model, vae, ctx, image_latent, kind, size, chunks, dtype, device, seed) -> dict:
+def run_upstream(
+    up, model, vae, ctx, image_latent, kind, size, chunks, dtype, device, seed
+) -> tuple[dict, dict]:
     """Upstream's WanI2VCausal.generate on examples/00, its forwards timed per chunk and its inputs kept."""
     per_chunk = len(kind.timestep_index) + 1  # the steps and the commit pass
     forward, calls, marks = model.forward, [], []
@@ -325,9 +327,8 @@ def main() -> int:
     ctx = torch.randn(min(TEXT_TOKENS, cfg.text_len), cfg.text_dim, generator=g).to(device)
     image_latent = torch.randn(16, *lat, generator=g).to(device)
     print(f"built in {build_s:.1f} s; upstream's chunks ...", file=sys.stderr, flush=True)
-    up_vae.decode(
-        [image_latent[:, :2]]
-    )  # untimed: the decoder's first kernels and workspaces (shared tensors)
+    # untimed: the decoder's first kernels and workspaces (the VAE's tensors are shared with ours)
+    up_vae.decode([image_latent[:, :2]])
 
     upstream, inputs = run_upstream(
         up, model, up_vae, ctx, image_latent, kind, (h, w), chunks, dtype, device, args.seed

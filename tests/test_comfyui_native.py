@@ -1,0 +1,77 @@
+"""The native ComfyUI path (LingBot-World Model (native) + Image To Video (native) + core samplers) computes what
+the pack's own sampling loop computes, in a real ComfyUI (CPU, tiny checkpoints).
+
+Needs a ComfyUI checkout: COMFYUI_DIR=/path/to/ComfyUI, and COMFYUI_PYTHON for its interpreter (default: this
+one). Skipped otherwise. The template run is in test_comfyui.py (it needs the server).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from comfyui_harness import scaled
+
+ROOT = Path(__file__).resolve().parents[1]
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+
+pytestmark = pytest.mark.skipif(
+    not (COMFYUI_DIR and (Path(COMFYUI_DIR) / "main.py").is_file()),
+    reason="set COMFYUI_DIR to a ComfyUI checkout (and COMFYUI_PYTHON to its python) to run the ComfyUI tests",
+)
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    work = tmp_path_factory.mktemp("native")
+    run = subprocess.run(
+        [
+            os.environ.get("COMFYUI_PYTHON", sys.executable),
+            str(ROOT / "tests" / "comfyui_native_parity.py"),
+            str(ROOT),
+            str(work),
+        ],
+        cwd=COMFYUI_DIR,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        env={**os.environ, "LINGBOT_WORLD_CACHE": str(work / "cache")},
+    )
+    line = next((x for x in run.stdout.splitlines() if x.startswith("PARITY ")), None)
+    assert line, run.stdout[-2000:] + run.stderr[-4000:]
+    return json.loads(line.removeprefix("PARITY "))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "nf4"])
+def test_native_graph_latent_equals_the_packs_sampling_loop(parity, kind):
+    """Two KSamplerAdvanced (euler, high expert then low at the split, ModelSamplingSD3 shift) on the native
+    MODELs give the latent the pack's loop gives on the same sigmas: fp32 experts and the NF4 repack (kept
+    4-bit), fp32 compute on both sides."""
+    row = parity[kind]
+    assert parity["shape"] == [16, 3, 6, 14]
+    assert row["max_abs"] > 0.5, row  # a real latent, not zeros
+    assert row["max_abs_diff"] <= 1e-5 * row["max_abs"], row
+
+
+def test_core_lora_loader_patches_nf4_experts_at_dequantization(parity):
+    """LoraLoaderModelOnly on the NF4 MODELs: the latent moves, and equals the pack's LoRA side path on the
+    same LoRA; strength 0 changes nothing."""
+    row = parity["lora"]
+    assert row["change"] > 0.05, row
+    assert row["max_abs_diff"] <= 1e-5 * row["max_abs"], row
+    assert row["zero_strength_change"] == 0.0, row
+
+
+def test_model_patcher_keeps_nf4_and_patches_once_in_every_load_mode(parity):
+    """Every Linear of the NF4 expert stays packed uint8 under ModelPatcher; a LoRA'd forward is the same fully
+    loaded, in lowvram mode (per-layer casting with ComfyUI's LowVramPatch) and after partially_unload (no
+    double patch); unpatching leaves the plain model."""
+    row = parity["patcher"]
+    assert row["four_bit_layers"] == row["linear_layers"] > 0, row
+    assert row["packed_dtypes"] == ["torch.uint8"], row
+    assert row["lora_change"] > 0.05, row
+    assert row["lowvram_diff"] <= 1e-6, row
+    assert row["partially_unloaded_diff"] <= 1e-6, row
+    assert row["unpatched_diff"] == 0.0, row

@@ -2,31 +2,44 @@
 CONDITIONING + LATENT, so core samplers (KSamplerAdvanced x2 split at the boundary, ModelSamplingSD3 for the
 shift), LoRA loaders and ComfyUI's model management run the model."""
 
-import logging
+from dataclasses import dataclass, field
 
-import comfy.model_management
-import node_helpers
 import torch
 
 from ..loaders.formats import CheckpointError, detect_expert_format
 from ..loaders.stream import load_expert
 from ..wan import i2v
+from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, NO_EXPERTS, _default, expert_choices, resolve_model
-from .native_model import CAMERA_KEY, NativeCamera, build_model
 from .sampler import frame_inputs, image_to_input
 from .vae import sampler_vae
 
-log = logging.getLogger("LingBot-World")
-NATIVE_CATEGORY = f"{CATEGORY}/native"
+CAMERA_KEY = "lingbot_camera"  # the CONDITIONING key, and the native model's forward argument
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STORED = "as stored"
 MANAGEMENT_NOTE = (
     "Memory is ComfyUI's: it loads, offloads and partially loads the expert (lowvram) like any MODEL, but "
-    "keeps activations whole; the pack's own LingBot-World Sampler can also chunk activations (Speed: "
-    "lean_activations), swap blocks ahead of time and plan a request before it loads, which fits longer or "
-    "larger videos on small cards."
+    "keeps each block's activations whole and offloads the idle expert to host RAM; the pack's own LingBot-World "
+    "Sampler can also chunk activations (Speed: lean_activations), swap blocks ahead of time, drop the idle "
+    "expert and plan a request before it loads, which fits longer or larger videos on small cards."
 )
+
+
+@dataclass
+class NativeCamera:
+    """What a LingBot conditioning node puts under `lingbot_camera`: the pack's camera input and the video it
+    drives; packed into the DiT's tensor once the model's control type (cam/act) is known."""
+
+    camera: object  # loaders.camera_files.CameraInput
+    frame_num: int
+    size: tuple  # (lat_h, lat_w, h, w)
+    _packed: dict = field(default_factory=dict, repr=False)
+
+    def tensor(self, control_type: str | None) -> torch.Tensor:
+        if control_type not in self._packed:
+            self._packed[control_type] = self.camera.pack(control_type, self.frame_num, self.size, "cpu")[0]
+        return self._packed[control_type]
 
 
 class LingBotNativeModelLoader:
@@ -36,7 +49,7 @@ class LingBotNativeModelLoader:
         "experts load as stored; streamed from disk by the pack's loader. Use two, one per expert, with "
         "ModelSamplingSD3 and two KSamplerAdvanced, and LoraLoaderModelOnly for LoRAs. " + MANAGEMENT_NOTE
     )
-    CATEGORY = NATIVE_CATEGORY
+    CATEGORY = CATEGORY
     FUNCTION = "load"
     RETURN_TYPES = ("MODEL",)
     RETURN_NAMES = ("model",)
@@ -94,6 +107,8 @@ class LingBotNativeModelLoader:
             dtype = dense[0] if dense else torch.bfloat16
         else:
             dtype = DTYPES[weight_dtype]
+        from .native_model import build_model  # ComfyUI's model classes: imported when a model loads
+
         expert_model = load_expert(src, "cpu", quantize=True if quantize_to_nf4 else None, dtype=dtype)
         return (build_model(src.dit_config, expert_model, dtype),)
 
@@ -104,7 +119,7 @@ class LingBotNativeImageToVideo:
         "(upstream's resize and sizing) and adds it, the first-frame mask and the camera path to positive and "
         "negative; returns the empty video LATENT to sample."
     )
-    CATEGORY = NATIVE_CATEGORY
+    CATEGORY = CATEGORY
     FUNCTION = "encode"
     RETURN_TYPES = ("CONDITIONING", "CONDITIONING", "LATENT")
     RETURN_NAMES = ("positive", "negative", "latent")
@@ -176,7 +191,9 @@ class LingBotNativeImageToVideo:
         values = {"concat_latent_image": concat, "concat_mask": mask}
         if camera is not None:
             values[CAMERA_KEY] = NativeCamera(camera, frames, size)
+        import node_helpers
+
         positive = node_helpers.conditioning_set_values(positive, values)
         negative = node_helpers.conditioning_set_values(negative, values)
-        latent = torch.zeros(1, 16, lat_f, lat_h, lat_w, device=comfy.model_management.intermediate_device())
+        latent = torch.zeros(1, 16, lat_f, lat_h, lat_w, device=memory.intermediate_device())
         return (positive, negative, {"samples": latent})

@@ -14,7 +14,6 @@ from the pack's own streaming loader, NF4 Linears kept 4-bit under ComfyUI's Mod
 """
 
 import math
-from dataclasses import dataclass, field
 
 import comfy.conds
 import comfy.ldm.wan.model as core_wan
@@ -29,26 +28,10 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..wan.config import CONTROL_CHANNELS, DiTConfig
+from .native import CAMERA_KEY, NativeCamera
 
-CAMERA_KEY = "lingbot_camera"  # the CONDITIONING key, and the model's forward argument
 CAMERA_LINEARS = ("cam_injector_layer1", "cam_injector_layer2", "cam_scale_layer", "cam_shift_layer")
 LINGBOT_SHIFT = 10.0  # upstream's sample_shift (the model's default before ModelSamplingSD3)
-
-
-@dataclass
-class NativeCamera:
-    """What a LingBot conditioning node puts under `lingbot_camera`: the pack's camera input and the video it
-    drives; packed into the DiT's tensor once the model's control type (cam/act) is known."""
-
-    camera: object  # loaders.camera_files.CameraInput
-    frame_num: int
-    size: tuple  # (lat_h, lat_w, h, w)
-    _packed: dict = field(default_factory=dict, repr=False)
-
-    def tensor(self, control_type: str | None) -> torch.Tensor:
-        if control_type not in self._packed:
-            self._packed[control_type] = self.camera.pack(control_type, self.frame_num, self.size, "cpu")[0]
-        return self._packed[control_type]
 
 
 # ----------------------------------------------------------------------------- the DiT

@@ -168,7 +168,36 @@ def main(pack_root: str, work: str) -> dict:
     }
     results["shape"] = list(plain.shape)
     results["patcher"] = patcher_checks(models, text, pos)
+    results["golden"] = golden_checks(Path(pack_root) / "tests" / "golden" / "dit.safetensors")
     return results
+
+
+def golden_checks(path: Path) -> dict:
+    """The native DiT (fp32, ComfyUI's plain operations) on tests/golden/dit.safetensors: upstream's tiny cam and
+    plain forwards, from the stored weights and inputs. Largest difference and largest value per variant."""
+    import comfy.ops
+    import torch
+    from lingbot_world.nodes.native_model import LingBotWanModel
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        config = json.loads(f.metadata()["golden"])["config"]
+        g = {k: f.get_tensor(k) for k in f.keys()}
+    weights = {k.removeprefix("weights/"): v.float() for k, v in g.items() if k.startswith("weights/")}
+    out = {}
+    for name, control in (("cam", "cam"), ("plain", None)):
+        model = LingBotWanModel(
+            control_type=control, dtype=torch.float32, operations=comfy.ops.disable_weight_init, **config
+        ).eval()
+        keys = model.state_dict().keys()
+        model.load_state_dict({k: weights[k] for k in keys}, strict=True)
+        x = torch.cat([g["x"], g["y"]])[None]
+        kwargs = {"lingbot_camera": g["cam"]} if control else {}
+        with torch.no_grad():
+            got = model(x, g[f"t_{name}"].float(), g["context"][None], **kwargs)[0]
+        want = g[f"out_{name}"]
+        out[name] = {"max_abs_diff": float((got - want).abs().max()), "max_abs": float(want.abs().max())}
+    return out
 
 
 def patcher_checks(models, text, pos) -> dict:

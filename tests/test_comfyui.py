@@ -527,9 +527,9 @@ def test_clip_text_encode_embeddings_match_ours(tmp_path):
         assert row["max_abs_diff"] <= 0.02 * row["max_abs"], row  # a bf16 step or two
 
 
-def test_native_ksampler_template_runs_to_a_video(server):
-    """The native template as shipped (core CLIP/VAE, the native loaders and conditioning, ModelSamplingSD3, two
-    KSamplerAdvanced split at the boundary) runs to a video on the tiny NF4 experts; both experts sample."""
+def native_ksampler_prompt(server, steps: int = 4, split: int = 2) -> dict:
+    """The native template as the frontend exports it, on the tiny models: the tiny CLIP loader and the
+    full-size random VAE as in `native_prompt`, a 48x112 x 9-frame video, `steps` steps split at `split`."""
     prompt = ui_to_api(json.loads(NATIVE_KSAMPLER_WORKFLOW.read_text()), server.object_info)
     samplers = []
     for node in prompt.values():
@@ -547,9 +547,39 @@ def test_native_ksampler_template_runs_to_a_video(server):
             inputs["filename_prefix"] = "lingbot_test/native"
     high, low = sorted(samplers, key=lambda s: s["start_at_step"])
     assert high["end_at_step"] == low["start_at_step"] == 26 and high["steps"] == low["steps"] == 70
-    high.update({"steps": 4, "end_at_step": 2})
-    low.update({"steps": 4, "start_at_step": 2})
-    entry = server.wait_history(server.queue_prompt(prompt), timeout=300)
+    high.update({"steps": steps, "end_at_step": split})
+    low.update({"steps": steps, "start_at_step": split})
+    return prompt
+
+
+def test_native_ksampler_template_runs_to_a_video(server):
+    """The native template as shipped (core CLIP/VAE, the native loaders and conditioning, ModelSamplingSD3, two
+    KSamplerAdvanced split at the boundary) runs to a video on the tiny NF4 experts."""
+    entry = server.wait_history(server.queue_prompt(native_ksampler_prompt(server)), timeout=300)
     frames = saved_video(server, entry)
     assert len(frames) == 9 and frames[0].shape == (48, 112, 3)
     assert max(f.std() for f in frames) > 1.0  # a picture, not a flat frame
+
+
+def test_core_easycache_runs_on_the_native_model(server):
+    """Core EasyCache between ModelSamplingSD3 and the low-noise KSamplerAdvanced skips steps of the native
+    model (its cache hooks see core's Wan forward) and the video still comes out."""
+    prompt = native_ksampler_prompt(server, steps=10, split=2)
+    low = next(
+        n for n in prompt.values() if n["class_type"] == "KSamplerAdvanced" and n["inputs"]["start_at_step"]
+    )
+    prompt["900"] = {
+        "class_type": "EasyCache",
+        "inputs": {
+            "model": low["inputs"]["model"],
+            "reuse_threshold": 3.0,
+            "start_percent": 0.0,
+            "end_percent": 1.0,
+            "verbose": False,
+        },
+    }
+    low["inputs"]["model"] = ["900", 0]
+    entry = server.wait_history(server.queue_prompt(prompt), timeout=300)
+    assert len(saved_video(server, entry)) == 9
+    skipped = [line for line in server.log(400).splitlines() if "EasyCache - skipped" in line]
+    assert skipped and not skipped[-1].split("skipped ")[1].startswith("0/"), skipped

@@ -84,3 +84,38 @@ def test_native_dit_matches_upstream_golden_forward(parity, variant):
     row = parity["golden"][variant]
     assert row["max_abs"] > 1, row
     assert row["max_abs_diff"] <= 5e-6 * row["max_abs"], row
+
+
+@pytest.mark.slow
+def test_bench_native_runs_tiny(tmp_path):
+    """benchmarks/bench_native.py at --scale tiny on the CPU (ComfyUI's python) ends with its JSON summary: both
+    sides ran every step of both experts."""
+    run = subprocess.run(
+        [
+            os.environ.get("COMFYUI_PYTHON", sys.executable),
+            str(ROOT / "benchmarks" / "bench_native.py"),
+            "--comfyui",
+            COMFYUI_DIR,
+            "--scale",
+            "tiny",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--steps",
+            "4",
+            "--split",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=scaled(300),
+        env={**os.environ, "LINGBOT_WORLD_CACHE": str(tmp_path / "cache")},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = json.loads(run.stdout.strip().splitlines()[-1])
+    assert s["bench"] == "native" and s["steps"] == 4 and s["split"] == 2
+    for side in ("native", "pack"):
+        phases = s[side]["phases"]
+        assert {k: v["steps"] for k, v in phases.items()} == {"high": 2, "low": 2}, s[side]
+        assert all(v["step_s"] > 0 for v in phases.values())
+    assert set(s["native"]["comfy_loading"]) == {"high", "low"}

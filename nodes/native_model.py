@@ -276,14 +276,17 @@ def nf4_operations(base):
         def forward_comfy_cast_weights(self, input):
             if self.nf4_meta is None:
                 return super().forward_comfy_cast_weights(input)
-            weight = _nf4_dequantize(self, input.device).to(input.dtype)
-            functions = self.weight_function
+            weight = _nf4_dequantize(self, input.device)
+            functions = list(self.weight_function)
             patch = self.nf4_patch
             # partially_unload may have added ComfyUI's own LowVramPatch for this key: apply it once
             if patch is not None and not any(getattr(f, "key", None) == patch.key for f in functions):
-                weight = patch(weight)
-            for f in functions:
-                weight = f(weight)
+                functions.insert(0, patch)
+            if functions:  # patches (LoRA) computed in fp32, as ComfyUI patches a loaded weight
+                weight = weight.float()
+                for f in functions:
+                    weight = f(weight)
+            weight = weight.to(input.dtype)
             bias = None
             if self.bias is not None:
                 bias = comfy.model_management.cast_to(

@@ -6,7 +6,9 @@ LoraLoaderModelOnly. Pack: `wan.pipeline.denoise` (what LingBot-World Sampler ru
 loader at fp32 compute, its Euler scheduler on the sigmas KSamplerAdvanced used, its own first-frame latent,
 mask and camera tensor. Prints one JSON line with the largest differences.
 
-    python comfyui_native_parity.py PACK_ROOT WORK_DIR
+    python comfyui_native_parity.py PACK_ROOT WORK_DIR [compile]
+
+`compile`: instead, core TorchCompileModel (inductor) on a native expert against eager (minutes on a CPU).
 """
 
 import json
@@ -248,5 +250,54 @@ def patcher_checks(models, text, pos) -> dict:
     }
 
 
+def compile_check(pack_root: str, work: str) -> dict:
+    """Core TorchCompileModel (inductor) on a native fp32 expert: the same latent as eager, 3 Euler steps."""
+    from comfy.cli_args import args
+
+    args.cpu = True
+    import folder_paths
+    import torch
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+
+    from nodes import KSamplerAdvanced
+
+    sys.path.insert(0, pack_root)
+    from lingbot import load_pack
+
+    load_pack()
+    from lingbot_world.loaders.synthetic import tiny_config, write_diffusers_expert
+    from lingbot_world.nodes.native import LingBotNativeModelLoader
+
+    cfg = tiny_config()
+    models = Path(work) / "models"
+    write_diffusers_expert(models / "expert", cfg, seed=1, dtype=torch.float32)
+    folder_paths.add_model_folder_path("diffusion_models", str(models))
+    model = LingBotNativeModelLoader().load("expert", "as stored", False)[0]
+    model = ModelSamplingSD3().patch(model, SHIFT)[0]
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 16, 3, HEIGHT // 8, WIDTH // 8)
+    extra = {
+        "concat_latent_image": torch.randn(*shape, generator=g),
+        "concat_mask": torch.ones(1, 1, *shape[2:]),
+        "lingbot_camera": torch.randn(1, 384, *shape[2:], generator=g),
+    }
+    cond = [[torch.randn(1, cfg.text_len, cfg.text_dim, generator=g), {"pooled_output": None, **extra}]]
+    latent = {"samples": torch.zeros(shape)}
+
+    def sample(m):
+        ks = KSamplerAdvanced()
+        return ks.sample(m, "enable", SEED, 3, CFG, "euler", "simple", cond, cond, latent, 0, 100, "disable")[
+            0
+        ]
+
+    eager = sample(model)["samples"]
+    compiled = sample(TorchCompileModel.execute(model, "inductor")[0])["samples"]
+    return {"max_abs_diff": float((compiled - eager).abs().max()), "max_abs": float(eager.abs().max())}
+
+
 if __name__ == "__main__":
-    print("PARITY " + json.dumps(main(sys.argv[1], sys.argv[2])))
+    if sys.argv[3:] == ["compile"]:
+        print("PARITY " + json.dumps(compile_check(sys.argv[1], sys.argv[2])))
+    else:
+        print("PARITY " + json.dumps(main(sys.argv[1], sys.argv[2])))

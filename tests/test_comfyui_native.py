@@ -23,25 +23,29 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    work = tmp_path_factory.mktemp("native")
+def run_parity(work: Path, *mode: str, timeout: float = 300) -> dict:
     run = subprocess.run(
         [
             os.environ.get("COMFYUI_PYTHON", sys.executable),
             str(ROOT / "tests" / "comfyui_native_parity.py"),
             str(ROOT),
             str(work),
+            *mode,
         ],
         cwd=COMFYUI_DIR,
         capture_output=True,
         text=True,
-        timeout=scaled(300),
+        timeout=scaled(timeout),
         env={**os.environ, "LINGBOT_WORLD_CACHE": str(work / "cache")},
     )
     line = next((x for x in run.stdout.splitlines() if x.startswith("PARITY ")), None)
     assert line, run.stdout[-2000:] + run.stderr[-4000:]
     return json.loads(line.removeprefix("PARITY "))
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    return run_parity(tmp_path_factory.mktemp("native"))
 
 
 @pytest.mark.parametrize("kind", ["fp32", "nf4"])
@@ -119,3 +123,11 @@ def test_bench_native_runs_tiny(tmp_path):
         assert {k: v["steps"] for k, v in phases.items()} == {"high": 2, "low": 2}, s[side]
         assert all(v["step_s"] > 0 for v in phases.values())
     assert set(s["native"]["comfy_loading"]) == {"high", "low"}
+
+
+@pytest.mark.slow
+def test_core_torch_compile_runs_the_native_model(tmp_path):
+    """Core TorchCompileModel (inductor, the whole diffusion model) on a native expert samples the eager latent."""
+    row = run_parity(tmp_path, "compile", timeout=900)
+    assert row["max_abs"] > 0.5, row
+    assert row["max_abs_diff"] <= 1e-5 * row["max_abs"], row

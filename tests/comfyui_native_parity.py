@@ -170,8 +170,44 @@ def main(pack_root: str, work: str) -> dict:
     }
     results["shape"] = list(plain.shape)
     results["patcher"] = patcher_checks(models, text, pos)
+    results["patches"] = patch_checks(pos, neg, latent)
     results["golden"] = golden_checks(Path(pack_root) / "tests" / "golden" / "dit.safetensors")
     return results
+
+
+def patch_checks(pos, neg, latent) -> dict:
+    """ComfyUI's attention override (transformer_options' optimized_attention_override, what attention-patch
+    nodes set) and a 'dit' double_block replace patch on a native expert: both are called, and passing through
+    to ComfyUI's own attention and the original block (camera included) leaves the latent as it was."""
+    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
+    from lingbot_world.nodes.native import LingBotNativeModelLoader
+
+    from nodes import KSamplerAdvanced
+
+    model = ModelSamplingSD3().patch(
+        LingBotNativeModelLoader().load("fp32_high", "as stored", False)[0], SHIFT
+    )[0]
+    calls = {"attention": 0, "block": 0}
+
+    def attention(func, *args, **kwargs):
+        calls["attention"] += 1
+        return func(*args, **kwargs)
+
+    def block(args, extra):
+        calls["block"] += 1
+        return extra["original_block"](args)
+
+    patched = model.clone()
+    patched.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = attention
+    for i in range(len(model.model.diffusion_model.blocks)):
+        patched.set_model_patch_replace(block, "dit", "double_block", i)
+
+    def sample(m):
+        ks = KSamplerAdvanced()
+        return ks.sample(m, "enable", SEED, 3, CFG, "euler", "simple", pos, neg, latent, 0, 100, "disable")[0]
+
+    plain, with_patches = sample(model)["samples"], sample(patched)["samples"]
+    return {**calls, "max_abs_diff": float((plain - with_patches).abs().max())}
 
 
 def golden_checks(path: Path) -> dict:

@@ -81,6 +81,16 @@ def test_model_patcher_keeps_nf4_and_patches_once_in_every_load_mode(parity):
     assert row["unpatched_diff"] == 0.0, row
 
 
+def test_attention_override_and_block_patches_reach_the_native_model(parity):
+    """An attention override (as attention-patch nodes set it) and 'dit' double_block replace patches are called
+    on every block; passing through changes nothing (the camera still reaches each patched block)."""
+    row = parity["patches"]
+    assert row["block"] >= 3 and row["attention"] >= 2 * row["block"], (
+        row
+    )  # self- and cross-attention per block
+    assert row["max_abs_diff"] == 0.0, row
+
+
 @pytest.mark.parametrize("variant", ["cam", "plain"])
 def test_native_dit_matches_upstream_golden_forward(parity, variant):
     """The native DiT (core's Wan blocks + the camera layers, fp32) on tests/golden/dit.safetensors gives

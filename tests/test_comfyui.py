@@ -583,3 +583,16 @@ def test_core_easycache_runs_on_the_native_model(server):
     assert len(saved_video(server, entry)) == 9
     skipped = [line for line in server.log(400).splitlines() if "EasyCache - skipped" in line]
     assert skipped and not skipped[-1].split("skipped ")[1].startswith("0/"), skipped
+
+
+def test_native_conditioning_refuses_a_bad_length_at_queue_time(server):
+    """A length that is not 4n+1 is refused when the prompt is queued, naming the widget (nothing loads)."""
+    prompt = native_ksampler_prompt(server)
+    next(n for n in prompt.values() if n["class_type"] == "LingBotNativeImageToVideo")["inputs"]["length"] = (
+        10
+    )
+    status, reply = server.submit(prompt)
+    assert status == 400, reply
+    assert "length: expected a positive integer of the form 4n+1 (e.g. 9 or 13), got 10" in json.dumps(
+        reply["node_errors"]
+    ), reply

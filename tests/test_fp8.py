@@ -1,0 +1,172 @@
+"""fp8 (e4m3, row-wise scales) linears: the math against a dequantized float matmul, the stored format's
+round trip, loading modes, and the refusal where there are no fp8 tensor cores."""
+
+import json
+
+import pytest
+import torch
+from lingbot_world.loaders import quantize as quantize_mod
+from lingbot_world.loaders import stream, synthetic
+from lingbot_world.loaders.formats import NF4_META, NF4_WEIGHTS, CheckpointError, detect_expert_format
+from lingbot_world.wan import fp8
+from lingbot_world.wan.config import CONTROL_CHANNELS
+from lingbot_world.wan.dit import linear
+
+
+def emulated_linear(x, codes, scale, bias, dtype):
+    """The scaled matmul written out in fp32 on dequantized operands (what `_scaled_mm` computes, up to
+    accumulation order): x quantized per row exactly as `fp8_linear` does."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = fp8.quantize_rows(x2)
+    out = fp8.dequantize_rows(xq, xs) @ fp8.dequantize_rows(codes, scale).T
+    if bias is not None:
+        out = out + bias.to(torch.bfloat16).float()
+    return out.to(torch.bfloat16).to(dtype).view(*x.shape[:-1], codes.shape[0])
+
+
+def test_quantize_rows_scales_each_row_to_the_fp8_range():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 48, generator=g) * torch.logspace(-3, 2, 32)[:, None]
+    w[5] = 0  # an all-zero row stays zero, with a positive scale
+    codes, scale = fp8.quantize_rows(w)
+    assert codes.dtype == fp8.FP8 and scale.dtype == torch.float32 and scale.shape == (32,)
+    assert (scale > 0).all()
+    amax = codes.float().abs().amax(dim=1)
+    assert torch.equal(amax[torch.arange(32) != 5], torch.full((31,), fp8.FP8_MAX))
+    back = fp8.dequantize_rows(codes, scale)
+    assert torch.equal(back[5], torch.zeros(48))
+    # e4m3 keeps 3 mantissa bits: relative error per element <= 2^-4 above the subnormal range
+    rel = ((back - w).abs() / w.abs().clamp_min(1e-30))[w.abs() > scale[:, None] * 2**-6]
+    assert rel.max() <= 2**-4
+
+
+def test_fp8_linear_matches_the_dequantized_float_matmul():
+    g = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(32, 64, generator=g) / 8)
+        layer.bias.copy_(torch.randn(32, generator=g))
+    x = torch.randn(3, 5, 64, generator=g)
+    exact = linear(layer, x, torch.bfloat16).float()
+    fp8.quantize_layer_(layer)
+    assert fp8.is_fp8(layer) and layer.weight_scale.shape == (32,)
+    out = linear(layer, x, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 5, 32)
+    ref = emulated_linear(x, layer.weight, layer.weight_scale, layer.bias, torch.bfloat16)
+    # same operands, fp32 accumulation either way: within a bf16 rounding of the output
+    assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=1e-2)
+    # and close to the exact bf16 linear (two e4m3 roundings: a few percent relative L2)
+    rel = (out.float() - exact).norm() / exact.norm()
+    assert 0 < rel < 0.05
+
+
+def test_fp8_refused_without_fp8_tensor_cores():
+    problem = fp8.fp8_problem("cpu")
+    assert "compute capability 8.9" in problem and "leave fp8 off" in problem
+    with pytest.raises(ValueError, match="fp8 tensor cores"):
+        fp8.check_fp8(torch.device("cpu"))
+
+
+def test_fp8_layer_choice():
+    assert fp8.fp8_layer("blocks.3.ffn.0", (128, 64))
+    assert not fp8.fp8_layer("head.head", (64, 64))  # runs in fp32
+    assert not fp8.fp8_layer("blocks.0.x", (24, 64))  # not a multiple of 16
+
+
+@pytest.fixture
+def bf16_expert(tmp_path):
+    cfg = synthetic.tiny_config("cam")
+    return synthetic.write_diffusers_expert(tmp_path / "high_noise_model", cfg, seed=3), cfg
+
+
+def test_fp8_quantize_save_load_round_trip(bf16_expert, tmp_path):
+    src, cfg = bf16_expert
+    streamed = stream.load_expert(src, "cpu", quantize="fp8")
+    fp8_names = {n for n, m in streamed.named_modules() if fp8.is_fp8(m)}
+    assert fp8_names and all(n.startswith("blocks.") for n in fp8_names)
+    assert streamed.head.head.weight.dtype == torch.bfloat16  # outside the blocks: as loaded
+    dense = stream.load_expert(src, "cpu")
+    for name in fp8_names:  # quantized from the bf16 value
+        codes, scale = fp8.quantize_rows(dense.get_submodule(name).weight)
+        assert torch.equal(streamed.get_submodule(name).weight.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(streamed.get_submodule(name).weight_scale, scale)
+
+    dst = tmp_path / "expert_fp8"
+    res = quantize_mod.quantize_expert(src, dst, device="cpu", format="fp8")
+    assert res.dst == dst and not list(tmp_path.glob(".expert_fp8*"))
+    meta = json.loads((dst / NF4_META).read_text())
+    assert meta["quant"]["format"] == "fp8_e4m3_rowwise"
+    source = detect_expert_format(dst)
+    assert source.fp8_layers == frozenset(fp8_names) and source.quantized and not source.quant_layers
+    stored = {n: r.dtype for n, r in source.tensors.items()}
+    assert all(
+        stored[f"{n}.weight"] == fp8.FP8 and stored[f"{n}.weight_scale"] == torch.float32 for n in fp8_names
+    )
+    # one byte per fp8 weight plus 4 per row, in place of 2 bytes per bf16 weight; the rest unchanged
+    bf16 = detect_expert_format(src).tensors
+    saved = sum(bf16[f"{n}.weight"].nbytes // 2 - 4 * bf16[f"{n}.weight"].shape[0] for n in fp8_names)
+    assert source.nbytes == sum(r.nbytes for r in bf16.values()) - saved
+
+    for mode in (None, "fp8"):  # as stored: the same codes and scales, every other tensor equal
+        loaded = stream.load_expert(dst, "cpu", quantize=mode)
+        a, b = dict(loaded.named_parameters()), dict(streamed.named_parameters())
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    dequant = stream.load_expert(dst, "cpu", quantize=False)
+    name = sorted(fp8_names)[0]
+    layer = streamed.get_submodule(name)
+    want = fp8.dequantize_rows(layer.weight, layer.weight_scale, torch.bfloat16)
+    assert torch.equal(dequant.get_submodule(name).weight, want)
+    assert not any(fp8.is_fp8(m) for m in dequant.modules())
+
+    with pytest.raises(CheckpointError, match="stored as fp8"):
+        stream.load_expert(dst, "cpu", quantize=True)
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_mod.quantize_expert(dst, tmp_path / "again", device="cpu", format="fp8")
+
+
+def test_fp8_model_forward_close_to_bf16(bf16_expert):
+    src, cfg = bf16_expert
+    exact_model = stream.load_expert(src, "cpu")
+    fp8_model = stream.load_expert(src, "cpu", quantize="fp8")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, 4, 6, generator=g)
+    y = torch.randn(20, 2, 4, 6, generator=g)
+    ctx = torch.randn(7, cfg.text_dim, generator=g)
+    cam = torch.randn(1, CONTROL_CHANNELS["cam"], 2, 4, 6, generator=g)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        exact = exact_model(x, t, ctx, y=y, cam=cam)
+        out = fp8_model(x, t, ctx, y=y, cam=cam)
+    rel = (out - exact).norm() / exact.norm()
+    assert 0 < rel < 0.1
+
+
+def test_fp8_from_nf4_dequantizes_each_layer(tmp_path):
+    cfg = synthetic.tiny_config("cam")
+    src = synthetic.write_nf4_expert(tmp_path / "nf4", cfg, seed=2)
+    nf4 = stream.load_expert(src, "cpu", quantize=False)  # bnb's dequantization, bf16
+    model = stream.load_expert(src, "cpu", quantize="fp8")
+    name = "blocks.1.self_attn.q"
+    codes, scale = fp8.quantize_rows(nf4.get_submodule(name).weight)
+    got = model.get_submodule(name)
+    assert torch.equal(got.weight.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(
+        got.weight_scale, scale
+    )
+    assert not any(hasattr(p, "quant_state") for p in model.parameters())
+
+
+def test_load_expert_rejects_unknown_quantize_mode(bf16_expert):
+    with pytest.raises(ValueError, match="quantize: expected"):
+        stream.load_expert(bf16_expert[0], "cpu", quantize="int8")
+
+
+def test_written_fp8_file_is_plain_safetensors(bf16_expert, tmp_path):
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "f"
+    quantize_mod.quantize_expert(bf16_expert[0], dst, device="cpu", format="fp8")
+    state = load_file(dst / NF4_WEIGHTS)
+    assert state["blocks.0.ffn.0.weight"].dtype == torch.float8_e4m3fn
+    assert state["blocks.0.ffn.0.weight_scale"].shape == (bf16_expert[1].ffn_dim,)

@@ -5,12 +5,15 @@ import json
 
 import pytest
 import torch
+from helpers import args_for, expect_clear_error, fast_args
+from lingbot_world import cli
+from lingbot_world.loaders import fast_run, stream, synthetic
 from lingbot_world.loaders import quantize as quantize_mod
-from lingbot_world.loaders import stream, synthetic
 from lingbot_world.loaders.formats import NF4_META, NF4_WEIGHTS, CheckpointError, detect_expert_format
 from lingbot_world.wan import fp8
 from lingbot_world.wan.config import CONTROL_CHANNELS
 from lingbot_world.wan.dit import linear
+from lingbot_world.wan.speed import SpeedOptions
 
 
 def emulated_linear(x, codes, scale, bias, dtype):
@@ -170,3 +173,44 @@ def test_written_fp8_file_is_plain_safetensors(bf16_expert, tmp_path):
     state = load_file(dst / NF4_WEIGHTS)
     assert state["blocks.0.ffn.0.weight"].dtype == torch.float8_e4m3fn
     assert state["blocks.0.ffn.0.weight_scale"].shape == (bf16_expert[1].ffn_dim,)
+
+
+def test_cli_fp8_refused_on_cpu_before_anything_loads(
+    nf4_ckpt, fast_ckpt, shipped_example, tmp_path, capsys, nothing_loads
+):
+    out = tmp_path / "o.mp4"
+    for args in (
+        args_for(nf4_ckpt, shipped_example / "poses.npy", out, "--fp8"),
+        fast_args(fast_ckpt, shipped_example, out, "--fp8"),
+    ):
+        expect_clear_error(capsys, args, out, "--fp8: fp8 linears need a CUDA GPU", "leave fp8 off")
+    expect_clear_error(
+        capsys,
+        fast_args(fast_ckpt, shipped_example, out, "--fp8", "--quantize"),
+        out,
+        "--fp8: not with --quantize",
+    )
+
+
+def test_cli_quantize_format_fp8(bf16_expert, tmp_path, capsys):
+    dst = tmp_path / "fp8"
+    assert cli.main(["quantize", str(bf16_expert[0]), str(dst), "--device", "cpu", "--format", "fp8"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert detect_expert_format(dst).fp8_layers
+    assert cli.main(["quantize", str(dst), str(tmp_path / "again"), "--device", "cpu"]) == 2
+    assert "already quantized (fp8 layers stored)" in capsys.readouterr().err
+
+
+def test_speed_options_fp8_off_by_default_and_checked():
+    assert SpeedOptions().fp8 is False
+    with pytest.raises(ValueError, match="fp8 must be True or False"):
+        SpeedOptions(fp8="yes")
+
+
+def test_fp8_device_bytes(bf16_expert, tmp_path):
+    src = detect_expert_format(bf16_expert[0])
+    dst = tmp_path / "f"
+    quantize_mod.quantize_expert(src, dst, device="cpu", format="fp8")
+    # planned bytes while quantizing to fp8 = what the stored fp8 folder holds (bf16 source)
+    assert fast_run.device_bytes(src, "fp8") == detect_expert_format(dst).nbytes
+    assert fast_run.device_bytes(detect_expert_format(dst), "fp8") == detect_expert_format(dst).nbytes

@@ -79,18 +79,19 @@ class ExpertsHandle:
     _switcher: ExpertSwitcher | None = field(default=None, repr=False)
     _switcher_key: tuple | None = field(default=None, repr=False)
 
-    def switcher(self, device, loras: dict) -> ExpertSwitcher:
+    def switcher(self, device, loras: dict, fp8: bool = False) -> ExpertSwitcher:
         """`loras`: the plan's LoRAs read for these specs (the same on every run of this handle). The
-        switcher (and what it parked) is kept while the device and the LoRAs with their modes stay the same:
-        merged LoRAs live in the loaded weights, so changing them means loading the experts again."""
-        key = (self.loras, self.lora_merge)
+        switcher (and what it parked) is kept while the device, the LoRAs with their modes and `fp8` (LingBot
+        Speed's fp8_linears: the experts loaded with fp8 linears) stay the same: merged LoRAs and fp8 live in
+        the loaded weights, so changing them means loading the experts again."""
+        key = (self.loras, self.lora_merge, fp8)
         if self._switcher is None or self._switcher.device != device or self._switcher_key != key:
             self.close()
             side, merged = (loras, False) if not any(self.lora_merge) else self._split_loras(loras)
             self._switcher = ExpertSwitcher(
                 self.paths,
                 device,
-                quantize=self.quantize,
+                quantize="fp8" if fp8 else self.quantize,
                 ram_budget=self.ram_budget,
                 loras=side,
                 swap_blocks=self.swap_blocks,
@@ -123,9 +124,10 @@ class ExpertsHandle:
             allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
         )
 
-    def provider(self, device, working_bytes: int, loras: dict):
-        """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load."""
-        switcher = self.switcher(device, loras)
+    def provider(self, device, working_bytes: int, loras: dict, fp8: bool = False):
+        """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load (`fp8`:
+        with fp8 linears)."""
+        switcher = self.switcher(device, loras, fp8)
 
         def experts(name: str):
             if switcher.resident != name:

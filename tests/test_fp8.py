@@ -5,10 +5,11 @@ import json
 
 import pytest
 import torch
-from helpers import args_for, expect_clear_error, fast_args
+from helpers import args_for, expect_clear_error, fast_args, node_inputs
 from lingbot_world import cli
 from lingbot_world.loaders import fast_run, stream, synthetic
 from lingbot_world.loaders import quantize as quantize_mod
+from lingbot_world.loaders.fast_checkpoint import FAST_DIR
 from lingbot_world.loaders.formats import NF4_META, NF4_WEIGHTS, CheckpointError, detect_expert_format
 from lingbot_world.wan import fp8
 from lingbot_world.wan.config import CONTROL_CHANNELS
@@ -214,3 +215,37 @@ def test_fp8_device_bytes(bf16_expert, tmp_path):
     # planned bytes while quantizing to fp8 = what the stored fp8 folder holds (bf16 source)
     assert fast_run.device_bytes(src, "fp8") == detect_expert_format(dst).nbytes
     assert fast_run.device_bytes(detect_expert_format(dst), "fp8") == detect_expert_format(dst).nbytes
+
+
+def test_speed_node_fp8_input_and_refusal_in_both_samplers(
+    nf4_ckpt, fast_ckpt, shipped_example, tmp_path, fake_comfy, monkeypatch
+):
+    from lingbot_world.loaders.experts import ExpertSwitcher
+
+    def loaded(*a, **k):
+        raise AssertionError("a model was loaded before the request was checked")
+
+    nodes = fake_comfy(nf4_ckpt, tmp_path)
+    choices, opts = nodes.LingBotSpeed.INPUT_TYPES()["optional"]["fp8_linears"]
+    assert choices == "BOOLEAN" and opts["default"] is False
+    node_args = ("sdpa", False, "none", 0.05, 7, 1)
+    assert nodes.LingBotSpeed().options(*node_args)[0] == SpeedOptions()  # off: today's options, exactly
+    (speed,) = nodes.LingBotSpeed().options(*node_args, fp8_linears=True)
+    assert speed.fp8 is True
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    monkeypatch.setattr(ExpertSwitcher, "__call__", loaded)  # the error must come before any load
+    (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(nf4_ckpt))
+    settings = ("max_area", "64*112", 832, 480, 9, 2, 10.0, 0.947, 4.0, 6.0, 0, "unipc")
+    with pytest.raises(
+        ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU.*turn fp8_linears off"
+    ):
+        nodes.LingBotSampler().sample(experts, vae, image, *settings, camera=camera, text=text, speed=speed)
+
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    fast_settings = ("max_area", "64*112", 832, 480, 21, 5, 10.0, 3, 0, "bf16")
+    with pytest.raises(ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU"):
+        nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=speed)
+    (compiled,) = nodes.LingBotSpeed().options("sdpa", True, "none", 0.05, 7, 1)
+    with pytest.raises(ValueError, match="speed: the Fast sampler takes attention and fp8_linears"):
+        nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=compiled)

@@ -189,6 +189,18 @@ def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
     return _compiled_blocks
 
 
+def check_fp8_loaded(model: torch.nn.Module, options: SpeedOptions) -> None:
+    """`options.fp8` asks for fp8 linears, which the loader makes: refuse an expert loaded without them
+    rather than run it in bf16 unnoticed."""
+    from .fp8 import is_fp8
+
+    if options.fp8 and not any(is_fp8(m) for m in model.modules()):
+        raise ValueError(
+            "fp8: the expert was loaded without fp8 linears; load it with quantize='fp8' (CLI --fp8, LingBot "
+            "Speed fp8_linears) or from an fp8 folder"
+        )
+
+
 def prepare(model: torch.nn.Module, runner: CompiledBlocks | None) -> None:
     """Make an expert run its blocks through `runner` (None: plain calls). Idempotent."""
     if not hasattr(model, "block_runner"):

@@ -251,29 +251,50 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
         nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=compiled)
 
 
-def _fp8_inputs(layers=2):
-    from test_speed import Inputs
+class TinyRun:
+    """A tiny random cam expert (bf16 as loaded, or with fp8 blocks) and one sampling run's inputs."""
 
-    inp = Inputs(layers=layers)
-    for model in inp.models.values():
-        for name, m in list(model.named_modules()):
-            if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
-                fp8.quantize_layer_(m)
-    return inp
+    def __init__(self, layers=2, use_fp8=True):
+        from lingbot_world.wan.dit import WanModel, init_random_
+
+        self.model = init_random_(
+            WanModel.from_config(synthetic.tiny_config("cam", num_layers=layers)), seed=2
+        )
+        self.model.eval().requires_grad_(False)
+        if use_fp8:
+            for name, m in list(self.model.named_modules()):
+                if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
+                    fp8.quantize_layer_(m)
+        g = torch.Generator().manual_seed(0)
+        self.noise, self.y = torch.randn(16, 2, 4, 6, generator=g), torch.randn(20, 2, 4, 6, generator=g)
+        self.context, self.context_null = torch.randn(7, 32, generator=g), torch.randn(5, 32, generator=g)
+        self.cam = torch.randn(1, CONTROL_CHANNELS["cam"], 2, 4, 6, generator=g)
+
+    def forward(self):
+        with torch.no_grad():
+            return self.model(self.noise, torch.tensor([500]), self.context, y=self.y, cam=self.cam)
+
+    def denoise(self, options):
+        from lingbot_world.wan import pipeline
+        from lingbot_world.wan.config import SampleConfig
+
+        args = (self.noise, self.y, self.context, self.context_null, self.cam, SampleConfig(sample_steps=4))
+        return pipeline.denoise(lambda which: self.model, *args, pipeline.Hooks(), speed=options)
 
 
-def test_fp8_option_off_is_bit_identical_and_on_needs_fp8_experts():
-    from lingbot_world.wan.config import SampleConfig
-    from test_speed import STEPS, Inputs, todays_loop
-
-    inp = Inputs()
-    settings = SampleConfig(sample_steps=STEPS)
-    assert torch.equal(inp.denoise(speed=SpeedOptions(fp8=False)), todays_loop(inp, settings))
+def test_fp8_option_off_is_the_default_and_on_needs_fp8_experts():
+    assert SpeedOptions(fp8=False) == SpeedOptions()  # off: the loop cannot tell it from today's options
     with pytest.raises(ValueError, match="fp8: the expert was loaded without fp8 linears"):
-        inp.denoise(speed=SpeedOptions(fp8=True))
-    fp8_inp = _fp8_inputs()
-    out = fp8_inp.denoise(speed=SpeedOptions(fp8=True))
-    assert torch.isfinite(out).all() and not torch.equal(out, todays_loop(inp, settings))
+        TinyRun(use_fp8=False).denoise(SpeedOptions(fp8=True))
+    exact, quantized = (
+        TinyRun(use_fp8=False).denoise(SpeedOptions()),
+        TinyRun().denoise(SpeedOptions(fp8=True)),
+    )
+    assert torch.isfinite(quantized).all() and 0 < rel_l2(quantized, exact) < 0.1
+
+
+def rel_l2(a, b):
+    return ((a - b).norm() / b.norm()).item()
 
 
 def test_fp8_blocks_trace_without_graph_breaks():
@@ -281,7 +302,7 @@ def test_fp8_blocks_trace_without_graph_breaks():
     the scaled matmul or the per-token quantization), and runs them to the eager values."""
     from lingbot_world.wan import speed
 
-    inp = _fp8_inputs(layers=3)
+    run = TinyRun(layers=3)
     graphs = []
 
     def counting_backend(gm, example_inputs):
@@ -289,15 +310,12 @@ def test_fp8_blocks_trace_without_graph_breaks():
         return gm.forward
 
     runner = speed.CompiledBlocks(backend=counting_backend)
-    model = inp.models["low"]
-    args = (inp.noise, torch.tensor([700]), inp.context, None)
-    with torch.no_grad():
-        eager = model(*args, y=inp.y, cam=inp.cam)
-        model.block_runner = runner
-        try:
-            traced = model(*args, y=inp.y, cam=inp.cam)
-        finally:
-            model.block_runner = None
+    eager = run.forward()
+    run.model.block_runner = runner
+    try:
+        traced = run.forward()
+    finally:
+        run.model.block_runner = None
     assert len(graphs) == 2 and not runner.failed
     assert any(
         torch.ops.aten._scaled_mm.default in {n.target for n in g.graph.nodes} or "_scaled_mm" in g.code
@@ -312,26 +330,17 @@ def test_fp8_blocks_compile_with_inductor():
     blocks do. Not equal to eager fp8: the compiled norm/modulation round a few fp32 values differently and
     an e4m3 rounding then flips a step (~1% relative L2 here, below fp8's own ~3% deviation)."""
     from lingbot_world.wan import speed
-    from test_speed import Inputs
 
     if speed.compiler_missing(torch.device("cpu")):
         pytest.skip("no C++ compiler for inductor")
-    inp, exact_model = _fp8_inputs(layers=1), Inputs(layers=1).models["low"]
-    model = inp.models["low"]
-    args = (inp.noise, torch.tensor([500]), inp.context, None)
-    with torch.no_grad():
-        exact = exact_model(*args, y=inp.y, cam=inp.cam)
-        eager = model(*args, y=inp.y, cam=inp.cam)
-        model.block_runner = runner = speed.CompiledBlocks()
-        try:
-            compiled = model(*args, y=inp.y, cam=inp.cam)
-        finally:
-            model.block_runner = None
+    run = TinyRun(layers=1)
+    exact, eager = TinyRun(layers=1, use_fp8=False).forward(), run.forward()
+    run.model.block_runner = runner = speed.CompiledBlocks()
+    try:
+        compiled = run.forward()
+    finally:
+        run.model.block_runner = None
     assert not runner.failed  # inductor built the fp8 blocks (no eager fallback)
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
-    assert 0 < rel(eager, exact) < 0.1
-    assert rel(compiled, exact) < 1.25 * rel(eager, exact)
-    assert rel(compiled, eager) < 0.5 * rel(eager, exact)
+    assert 0 < rel_l2(eager, exact) < 0.1
+    assert rel_l2(compiled, exact) < 1.25 * rel_l2(eager, exact)
+    assert rel_l2(compiled, eager) < 0.5 * rel_l2(eager, exact)

@@ -235,6 +235,12 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
     text, vae, camera, image = node_inputs(nodes, shipped_example)
     monkeypatch.setattr(ExpertSwitcher, "__call__", loaded)  # the error must come before any load
     (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(nf4_ckpt))
+    nf4_room = experts.resident_bytes("high")
+    experts.switcher(torch.device("cpu"), {}, fp8=True)  # room asked for the experts as fp8 loads them
+    fp8_bytes = fast_run.device_bytes(detect_expert_format(experts.paths["high"]), "fp8")
+    assert experts.resident_bytes("high") == fp8_bytes > nf4_room
+    experts.switcher(torch.device("cpu"), {})
+    assert experts.resident_bytes("high") == nf4_room
     settings = ("max_area", "64*112", 832, 480, 9, 2, 10.0, 0.947, 4.0, 6.0, 0, "unipc")
     with pytest.raises(
         ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU.*turn fp8_linears off"

@@ -385,7 +385,7 @@ def test_bench_fp8(tmp_path):
         assert v2["fp8_over_bf16"] == pytest.approx(v2["fp8"]["chunk_s"] / v2["bf16"]["chunk_s"], rel=1e-2)
     attn = s["attention"]
     assert set(attn["packages"]) == {"flash_attn", "flash_attn_interface", "flashinfer", "sageattention"}
-    for shape in ("base_cam_self", "base_cam_cross", "v2_14b_chunk", "v2_1_3b_chunk"):
+    for shape in ("base_cam_self", "base_cam_cross", "v2_14b_chunk", "v2_1_3b_chunk", "v2_14b_chunk_kv22"):
         ran = {k: v for k, v in attn[shape].items() if isinstance(v, dict) and "ms" in v}
         assert "sdpa_auto" in ran and attn[shape]["fastest"] in ran
         assert all(r["rel_l2"] < 0.01 for r in ran.values())  # bf16 kernels against the fp32 reference

@@ -793,7 +793,7 @@ def memory_check(args, files, tile, device, free=True, budget=None) -> memplan.M
     or against `budget` ((VRAM, RAM) bytes, None where unknown) when given. `files` None (`plan --model
     base-cam`): two NF4 A14B experts sized from their architecture and upstream's umT5."""
     if files is None:
-        nf4 = fast_run.nf4_bytes(A14B)
+        nf4 = fast_run.fp8_bytes(A14B) if getattr(args, "fp8", False) else fast_run.nf4_bytes(A14B)
         experts, t5_bytes = {"high": nf4, "low": nf4}, memplan.T5_DEFAULT_BYTES
     else:
         quantize = load_quantize(args)
@@ -906,8 +906,9 @@ def run_plan(args) -> int:
     device, files, tile, _, plan = prepare_generate(args, check_memory=False, planning=True)
     if files is None:
         expert = plan.memory.planner.request.expert_bytes["high"]
+        stored = "fp8" if getattr(args, "fp8", False) else "NF4"
         print(
-            f"{args.model}, from its architecture: two NF4 A14B experts of {expert / memplan.GIB:.2f} GiB, "
+            f"{args.model}, from its architecture: two {stored} A14B experts of {expert / memplan.GIB:.2f} GiB, "
             f"umT5-XXL {memplan.T5_DEFAULT_BYTES / memplan.GIB:.2f} GiB (bf16)"
         )
     vram, ram = plan_budget(args, device)

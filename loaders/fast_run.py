@@ -174,14 +174,18 @@ def device_bytes(source: ExpertSource, quantize: bool | str | None) -> int:
     bf16, with the 2-D (Linear) weights at ~4.1 bits when quantized while loading; 'fp8': the blocks' Linears
     at 1 byte per weight plus 4 per row (`wan.fp8`), everything else bf16."""
     if quantize == "fp8" and not source.fp8_layers:
-        params, linears = expected_layout(source.dit_config)
-        dense = sum(2 * math.prod(shape) for shape in params.values())
-        return dense + sum(
-            o * i + 4 * o if fp8_layer(m, (o, i)) else 2 * o * i for m, (o, i) in linears.items()
-        )
+        return fp8_bytes(source.dit_config)
     if source.quantized:
         return source.nbytes
     return sum(_tensor_bytes(ref.shape, quantize) for ref in source.tensors.values())
+
+
+def fp8_bytes(config: DiTConfig) -> int:
+    """Device bytes of this architecture with fp8 linears (`wan.fp8`): the blocks' Linear weights at 1 byte
+    per weight plus a 4-byte scale per row, every other tensor in bf16."""
+    params, linears = expected_layout(config)
+    dense = sum(2 * math.prod(shape) for shape in params.values())
+    return dense + sum(o * i + 4 * o if fp8_layer(m, (o, i)) else 2 * o * i for m, (o, i) in linears.items())
 
 
 def nf4_bytes(config: DiTConfig) -> int:

@@ -325,6 +325,13 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         "--compile", action="store_true", help="torch.compile the DiT blocks (one graph for all)"
     )
     speed.add_argument(
+        "--fp8",
+        action="store_true",
+        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
+        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
+        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
+    )
+    speed.add_argument(
         "--lean_activations",
         choices=["on", "off", "auto"],
         default="auto",
@@ -453,6 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("dst", type=Path, help="the NF4 folder to write (e.g. .../lingbot_world_fast_nf4)")
     quantize.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     quantize.add_argument(
+        "--format",
+        choices=["nf4", "fp8"],
+        default="nf4",
+        help="nf4: bitsandbytes 4-bit (the repack's format); fp8: the DiT blocks' Linears as e4m3 with a "
+        "scale per row (~14 GB for a 14B model; runs with --fp8 on Ada/Hopper/Blackwell)",
+    )
+    quantize.add_argument(
         "--device", default=None, help=f"where to quantize (cuda is much faster): {DEVICE_HELP}"
     )
     add_fast_args(
@@ -552,9 +566,25 @@ def speed_options(args) -> SpeedOptions:
             else args.cache_keep_first,
             cache_keep_last=base.cache_keep_last if args.cache_keep_last is None else args.cache_keep_last,
             lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
+            fp8=getattr(args, "fp8", False),
         )
     except ValueError as err:  # each message starts with the option's name
         raise ValueError(f"--{err}") from None
+
+
+def load_quantize(args, device=None) -> bool | str | None:
+    """What the loader's `quantize` gets from --quantize / --fp8 (checked against `device` when given)."""
+    if not getattr(args, "fp8", False):
+        return args.quantize or None
+    if args.quantize:
+        raise ValueError("--fp8: not with --quantize (NF4); pick one")
+    if device is not None:
+        from .wan.fp8 import fp8_problem
+
+        problem = fp8_problem(device)
+        if problem is not None:
+            raise ValueError(f"--fp8: {problem}")
+    return "fp8"
 
 
 def guide_pair(values: list[float]) -> tuple[float, float]:
@@ -763,10 +793,14 @@ def memory_check(args, files, tile, device, free=True, budget=None) -> memplan.M
     or against `budget` ((VRAM, RAM) bytes, None where unknown) when given. `files` None (`plan --model
     base-cam`): two NF4 A14B experts sized from their architecture and upstream's umT5."""
     if files is None:
-        nf4 = fast_run.nf4_bytes(A14B)
+        nf4 = fast_run.fp8_bytes(A14B) if getattr(args, "fp8", False) else fast_run.nf4_bytes(A14B)
         experts, t5_bytes = {"high": nf4, "low": nf4}, memplan.T5_DEFAULT_BYTES
     else:
-        experts = {e: source.nbytes for e, source in files.sources.items()}
+        quantize = load_quantize(args)
+        experts = {
+            e: fast_run.device_bytes(s, quantize) if quantize == "fp8" else s.nbytes
+            for e, s in files.sources.items()
+        }
         t5_bytes = files.text_encoder.stat().st_size
     request = memplan.MemoryRequest(
         expert_bytes=experts,
@@ -786,6 +820,7 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     """Everything a user can get wrong, checked before any model loads, memory included. `planning`: for
     `plan`, which starts no ranks: --ulysses_size N is planned for N ranks without a process group."""
     device = plan_device(args) if planning else resolve_device(args.device)
+    load_quantize(args, None if planning else device)
     files, config, text_dim = None, A14B, None
     if not getattr(args, "model", None):  # `plan --model base-cam`: the architecture, no files
         files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
@@ -794,7 +829,7 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
         check_text_dim(text_dim, files.config, files.text_encoder, experts)
         check_vae(files.vae)
         if getattr(args, "lora_merge", False):
-            check_lora_merge(files.sources, args.quantize, args.lora)
+            check_lora_merge(files.sources, load_quantize(args), args.lora, "--quantize or --fp8")
     tile = vae_tile(args.vae_tile)
     image = load_image(args.image) if args.image else None  # optional for `plan`
     image_hw = args.size.hw if image is None else image.shape[1:]
@@ -871,8 +906,9 @@ def run_plan(args) -> int:
     device, files, tile, _, plan = prepare_generate(args, check_memory=False, planning=True)
     if files is None:
         expert = plan.memory.planner.request.expert_bytes["high"]
+        stored = "fp8" if getattr(args, "fp8", False) else "NF4"
         print(
-            f"{args.model}, from its architecture: two NF4 A14B experts of {expert / memplan.GIB:.2f} GiB, "
+            f"{args.model}, from its architecture: two {stored} A14B experts of {expert / memplan.GIB:.2f} GiB, "
             f"umT5-XXL {memplan.T5_DEFAULT_BYTES / memplan.GIB:.2f} GiB (bf16)"
         )
     vram, ram = plan_budget(args, device)
@@ -1013,7 +1049,7 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
         switcher = ExpertSwitcher(
             files.experts,
             device,
-            quantize=args.quantize or None,
+            quantize=load_quantize(args),
             loras=plan.loras,
             swap_blocks=plan.swap_blocks,
             merge_loras=args.lora_merge,
@@ -1101,7 +1137,7 @@ def run_quantize(args) -> int:
     from .loaders.quantize import quantize_expert
 
     device = resolve_device(args.device)
-    res = quantize_expert(args.src, args.dst, device, args.overwrite)
+    res = quantize_expert(args.src, args.dst, device, args.overwrite, args.format)
     mib = 1 << 20
     vram = f", peak VRAM {res.peak_vram / mib:.0f} MiB" if res.peak_vram is not None else ""
     print(
@@ -1211,6 +1247,13 @@ def add_fast_args(p: argparse.ArgumentParser):
     )
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
+        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
+        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
+    )
+    p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
     )
     p.add_argument("--frames_dir", type=Path, help="also write each chunk's frames as PNGs here as they come")
@@ -1263,6 +1306,7 @@ def fast_camera(args, files, image, size, device):
 def run_fast(args) -> int:
     output = check_outputs(args, "lingbot_fast")
     device = resolve_device(args.device)
+    quantize = load_quantize(args, device)
     assets = args.assets_dir and args.assets_dir.expanduser().resolve()
     files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
@@ -1292,7 +1336,7 @@ def run_fast(args) -> int:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
-    need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
+    need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, quantize, swap, tile)
     print(
         f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
         f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
@@ -1304,7 +1348,7 @@ def run_fast(args) -> int:
             files,
             (lat_f, lat_h, lat_w),
             config,
-            args.quantize or None,
+            quantize,
             swap,
             vram,
             tile,
@@ -1363,7 +1407,7 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
         vae = load_vae(files.vae, device)
     with phase("vae_encode"):
         y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
-    model = fast_run.FastModel(files, device, quantize=args.quantize or None, swap_blocks=swap)
+    model = fast_run.FastModel(files, device, quantize=load_quantize(args), swap_blocks=swap)
     try:
         with phase("load_model"):
             dit = model()

@@ -27,6 +27,7 @@ from ..wan.fast import (
     kv_cache_bytes_for,
 )
 from ..wan.fast_camera import KeySteering, parse_keys_line, pose_camera
+from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
 from .camera_files import CameraInput
 from .experts import ExpertSwitcher
@@ -168,12 +169,23 @@ def _tensor_bytes(shape, quantize: bool | None) -> int:
     return n * 33 // 64 if quantize and len(shape) == 2 else 2 * n
 
 
-def device_bytes(source: ExpertSource, quantize: bool | None) -> int:
-    """Device bytes of the loaded model (to ask the host for room): as stored for an NF4 folder; else bf16,
-    with the 2-D (Linear) weights at ~4.1 bits when quantized while loading."""
+def device_bytes(source: ExpertSource, quantize: bool | str | None) -> int:
+    """Device bytes of the loaded model (to ask the host for room): as stored for an NF4 or fp8 folder; else
+    bf16, with the 2-D (Linear) weights at ~4.1 bits when quantized while loading; 'fp8': the blocks' Linears
+    at 1 byte per weight plus 4 per row (`wan.fp8`), everything else bf16."""
+    if quantize == "fp8" and not source.fp8_layers:
+        return fp8_bytes(source.dit_config)
     if source.quantized:
         return source.nbytes
     return sum(_tensor_bytes(ref.shape, quantize) for ref in source.tensors.values())
+
+
+def fp8_bytes(config: DiTConfig) -> int:
+    """Device bytes of this architecture with fp8 linears (`wan.fp8`): the blocks' Linear weights at 1 byte
+    per weight plus a 4-byte scale per row, every other tensor in bf16."""
+    params, linears = expected_layout(config)
+    dense = sum(2 * math.prod(shape) for shape in params.values())
+    return dense + sum(o * i + 4 * o if fp8_layer(m, (o, i)) else 2 * o * i for m, (o, i) in linears.items())
 
 
 def nf4_bytes(config: DiTConfig) -> int:

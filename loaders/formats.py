@@ -13,6 +13,10 @@ Layouts accepted:
   as LingBot-World 2.0's 1.3B ships its config-less ``model-0000i-of-00006.safetensors``).
 - ``single_safetensors``: one ``.safetensors`` file (ComfyUI ``models/diffusion_models/``).
 
+Any of them may hold fp8 Linears (`wan.fp8`, as ``lingbot.py quantize --format fp8`` writes them in the
+NF4 folder's file names): ``<layer>.weight`` float8_e4m3fn [out, in] beside ``<layer>.weight_scale`` fp32
+[out], one scale per output row.
+
 The architecture (sizes, cam/act/plain variant) comes from tensor shapes, with ``config.json`` only
 filling what shapes cannot tell (num_heads, eps, text_len) and checked against them. For 4-bit
 layers the dense shape is the one in the ``quant_state`` JSON, not the packed tensor's.
@@ -30,6 +34,7 @@ from torch import nn
 
 from ..wan.config import A14B, CONTROL_CHANNELS, DiTConfig
 from ..wan.dit import WanModel
+from ..wan.fp8 import FP8, SCALE_SUFFIX
 from .tensor_file import (  # noqa: F401 - re-exported: the expert format's readers live there
     MAX_HEADER_BYTES,
     ST_DTYPES,
@@ -93,6 +98,7 @@ class ExpertSource:
     quant_layers: dict = field(default_factory=dict)  # module name -> QuantLayer
     quantization_meta: dict | None = None
     pt_state: dict | None = None  # nf4_pt: the mmap-backed state dict
+    fp8_layers: frozenset = frozenset()  # Linear module names stored as fp8 codes + row scales (wan.fp8)
 
     @property
     def control_type(self) -> str | None:
@@ -100,7 +106,8 @@ class ExpertSource:
 
     @property
     def quantized(self) -> bool:
-        return bool(self.quant_layers)
+        """Whether Linear weights are stored quantized (NF4 or fp8)."""
+        return bool(self.quant_layers or self.fp8_layers)
 
     @property
     def nbytes(self) -> int:
@@ -522,10 +529,28 @@ def expected_layout(cfg: DiTConfig) -> tuple[dict, dict]:
     return dict(params), dict(linears)
 
 
-def _check_layout(cfg: DiTConfig, refs: dict, quant: dict, where: str) -> None:
+def _fp8_layers(refs: dict) -> frozenset:
+    """The modules stored as fp8 codes + row scales; each code tensor with its fp32 [out] scale."""
+    scales = {k[: -len(".weight" + SCALE_SUFFIX)] for k in refs if k.endswith(".weight" + SCALE_SUFFIX)}
+    codes = {k[: -len(".weight")] for k, r in refs.items() if k.endswith(".weight") and r.dtype == FP8}
+    bad = [f"{m}.weight{SCALE_SUFFIX} (no fp8 {m}.weight)" for m in sorted(scales - codes)]
+    bad += [f"{m}.weight (fp8 without {m}.weight{SCALE_SUFFIX})" for m in sorted(codes - scales)]
+    for m in sorted(scales & codes):
+        ref, rows = refs[f"{m}.weight{SCALE_SUFFIX}"], refs[f"{m}.weight"].shape[:1]
+        if ref.dtype != torch.float32 or ref.shape != rows:
+            bad.append(f"{ref.name} ({ref.dtype} {list(ref.shape)}, expected float32 {list(rows)})")
+    if bad:
+        first = next(iter(refs.values())).file
+        raise CheckpointError(f"{first}: incomplete fp8 layers: {name_list(bad)}")
+    return frozenset(codes)
+
+
+def _check_layout(cfg: DiTConfig, refs: dict, quant: dict, where: str, fp8=frozenset()) -> None:
     params, linears = expected_layout(cfg)
     missing, wrong_shape, wrong_dtype, used = [], [], [], set()
     for module, shape in linears.items():
+        if module in fp8:
+            used.add(f"{module}.weight{SCALE_SUFFIX}")
         if module not in quant:
             params[f"{module}.weight"] = shape
             continue
@@ -542,7 +567,7 @@ def _check_layout(cfg: DiTConfig, refs: dict, quant: dict, where: str) -> None:
         used.add(name)
         if ref.shape != shape:
             wrong_shape.append(f"{name} ({list(ref.shape)}, expected {list(shape)})")
-        if ref.dtype not in DENSE_DTYPES:
+        if ref.dtype not in DENSE_DTYPES and not (ref.dtype == FP8 and name[: -len(".weight")] in fp8):
             wrong_dtype.append(f"{name} ({ref.dtype}, expected float16/bfloat16/float32)")
     unexpected = [k for k in refs if k not in used]
     problems = []
@@ -638,14 +663,18 @@ def detect_expert_format(path, require_config: bool = True) -> ExpertSource:
         raise CheckpointError(f"{files[0]}: holds no tensors")
 
     quant = _parse_quant_layers(refs, pt_state)
-    cfg = infer_dit_config(_logical_shapes(refs, quant), config, f"{where} (with {files[0].name})")
-    _check_layout(cfg, refs, quant, str(files[0]) if len(files) == 1 else str(path))
+    fp8 = _fp8_layers(refs)
+    shapes = {
+        k: v for k, v in _logical_shapes(refs, quant).items() if not k.endswith(".weight" + SCALE_SUFFIX)
+    }
+    cfg = infer_dit_config(shapes, config, f"{where} (with {files[0].name})")
+    _check_layout(cfg, refs, quant, str(files[0]) if len(files) == 1 else str(path), fp8)
     meta = None
     meta_path = (cfg_path.parent if cfg_path is not None else files[0].parent) / NF4_META
     if kind.startswith("nf4") and meta_path.is_file():
         meta = _read_json(meta_path, NF4_META)
         _check_quant_meta(meta, cfg, quant, meta_path)
-    return ExpertSource(kind, path, files, config, cfg, refs, quant, meta, pt_state)
+    return ExpertSource(kind, path, files, config, cfg, refs, quant, meta, pt_state, fp8)
 
 
 def _check_index(index_path: Path, refs: dict) -> None:

@@ -8,6 +8,10 @@ with torch_dtype=bf16), Linear weights quantized from that bf16 value (NF4, bloc
 quant). The folder (``config.json``, ``model.safetensors`` with bitsandbytes' own Params4bit
 serialisation, ``quantization_meta.json``) is written one tensor in host memory at a time into a
 temporary folder beside the destination, then renamed into place: an error or Ctrl-C leaves nothing.
+
+``format="fp8"`` writes the same three files with the DiT blocks' Linears as fp8 e4m3 codes plus one fp32
+scale per output row (`wan.fp8`; ``<layer>.weight`` + ``<layer>.weight_scale``), everything else bf16:
+what loading the source with ``quantize="fp8"`` gives (an NF4 source is dequantized layer by layer first).
 """
 
 import json
@@ -27,6 +31,8 @@ from .synthetic import config_json, write_safetensors
 from .tensor_file import exists
 
 PARTIAL = ".partial-"
+FORMATS = ("nf4", "fp8")
+FP8_QUANT = {"format": "fp8_e4m3_rowwise", "weight": "float8_e4m3fn", "scale": "float32 per output row"}
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,7 @@ def _check_paths(src: ExpertSource, dst: Path, overwrite: bool) -> None:
             )
 
 
-def _quant_meta(src: ExpertSource, nbytes: int) -> dict:
+def _quant_meta(src: ExpertSource, nbytes: int, format: str = "nf4") -> dict:
     import bitsandbytes as bnb
 
     cfg = src.dit_config
@@ -85,7 +91,9 @@ def _quant_meta(src: ExpertSource, nbytes: int) -> dict:
         **({KIND_KEY: kind} if kind else {}),
         "source": {"ckpt_dir": str(folder.parent), "subfolder": folder.name, "dtypes": dtypes},
         "model_config": {k: v for k, v in asdict(cfg).items() if k != "control_type"},
-        "quant": {
+        "quant": {**FP8_QUANT, "from_dtype": "bfloat16"}
+        if format == "fp8"
+        else {
             "format": "bnb_nf4",
             "double_quant": True,
             "compute_dtype": "bfloat16",
@@ -104,32 +112,38 @@ def _quant_meta(src: ExpertSource, nbytes: int) -> dict:
     }
 
 
-def write_nf4_folder(model, src: ExpertSource, folder: Path) -> tuple[int, int]:
-    """config.json, model.safetensors and quantization_meta.json of a loaded 4-bit model into
-    `folder`, one tensor copied to the host at a time; returns (tensor count, weight file bytes)."""
+def write_nf4_folder(model, src: ExpertSource, folder: Path, format: str = "nf4") -> tuple[int, int]:
+    """config.json, model.safetensors and quantization_meta.json of a loaded 4-bit (format 'fp8': fp8) model
+    into `folder`, one tensor copied to the host at a time; returns (tensor count, weight file bytes)."""
     state = nf4_state(model)
     specs = {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
     nbytes = write_safetensors(
         folder / NF4_WEIGHTS, specs, lambda k: state[k].detach().to("cpu"), {"format": "pt"}
     )
     (folder / CONFIG).write_text(json.dumps(config_json(src.dit_config), indent=2))
-    (folder / NF4_META).write_text(json.dumps(_quant_meta(src, nbytes), indent=2))
+    (folder / NF4_META).write_text(json.dumps(_quant_meta(src, nbytes, format), indent=2))
     return len(state), nbytes
 
 
-def quantize_expert(source, dst, device=None, overwrite: bool = False) -> QuantizeResult:
-    """Quantize the expert at `source` (a path or ExpertSource) into the NF4 folder `dst`.
+def quantize_expert(source, dst, device=None, overwrite: bool = False, format: str = "nf4") -> QuantizeResult:
+    """Quantize the expert at `source` (a path or ExpertSource) into the NF4 (format 'fp8': fp8) folder `dst`.
 
     device: where the weights are quantized (default CUDA when present, else CPU). Refuses an
-    existing `dst` unless `overwrite`, a `dst` that is or holds the source, and an already-4-bit source.
+    existing `dst` unless `overwrite`, a `dst` that is or holds the source, an fp8 source, and an NF4
+    source for format 'nf4' (format 'fp8' dequantizes an NF4 source layer by layer).
     """
     t0 = time.perf_counter()
+    if format not in FORMATS:
+        raise ValueError(f"format: expected one of {list(FORMATS)}, got {format!r}")
     if not isinstance(source, ExpertSource):
         source = detect_expert_format(
             fast_model_dir(source, (FAST_DIR, V2_DIR, DIFFUSERS_DIR)), require_config=False
         )
-    if source.quantized:
-        raise CheckpointError(f"{source.path}: already quantized (4-bit layers stored); nothing to do")
+    if source.fp8_layers or (source.quantized and format == "nf4"):
+        stored = "fp8" if source.fp8_layers else "4-bit"
+        raise CheckpointError(
+            f"{source.path}: already quantized ({stored} layers stored); quantize the original bf16/fp32 expert"
+        )
     dst = Path(dst)
     _check_paths(source, dst, overwrite)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -140,9 +154,10 @@ def quantize_expert(source, dst, device=None, overwrite: bool = False) -> Quanti
     try:
         tmp.mkdir()
         with RssSampler() as rss:
-            model = load_expert(source, device, quantize=True, dtype=torch.bfloat16)
+            quantize = "fp8" if format == "fp8" else True
+            model = load_expert(source, device, quantize=quantize, dtype=torch.bfloat16)
             try:
-                count, nbytes = write_nf4_folder(model, source, tmp)
+                count, nbytes = write_nf4_folder(model, source, tmp, format)
             finally:
                 release(model)
                 del model

@@ -5,7 +5,7 @@ shell there (no dense weight, no init). Each stored tensor is then read with ``s
 zero-copy view of the file's pages) and placed on the device: on CUDA through two reused pinned
 staging buffers and async copies, on CPU by one copy. 4-bit weights are rebuilt from their packed
 components with bnb's own ``QuantState.from_dict``; bf16/fp32 Linear weights can be quantized to
-NF4 (blocksize 64, double quant) one at a time as they arrive. Host memory above the start stays
+NF4 (blocksize 64, double quant), or to fp8 with row scales (`wan.fp8`), one at a time as they arrive. Host memory above the start stays
 within the staging buffers plus one tensor (for a CPU target, plus the model itself).
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from ..wan.config import DiTConfig
 from ..wan.dit import WanModel
+from ..wan.fp8 import SCALE_SUFFIX, dequantize_rows, fp8_layer, quantize_rows
 from ..wan.lora import merge_into_weight
 from .formats import (
     CheckpointError,
@@ -272,15 +273,27 @@ def _load(
 
     _, linears = expected_layout(src.dit_config)
     stored_4bit = set(src.quant_layers)
-    if quantize is False:
+    if quantize is False or quantize == "fp8":
         four_bit = set()
     elif quantize:
         four_bit = set(linears)
     else:
         four_bit = stored_4bit
+    # fp8 codes + row scales: the blocks' Linears when asked for, else as stored (False: dense)
+    fp8 = {m for m, shape in linears.items() if fp8_layer(m, shape)} if quantize == "fp8" else set()
+    fp8 = fp8 | (set(src.fp8_layers) if quantize is None or quantize == "fp8" else set())
     # NF4 checkpoints keep each stored dtype; original bf16/fp32 experts are cast to `dtype`.
     dense_dtype = None if stored_4bit else dtype
     owner = {t: (m, part) for m, q in src.quant_layers.items() for part, t in q.parts.items()}
+    scale_of = {f"{m}.weight{SCALE_SUFFIX}": m for m in src.fp8_layers}
+    stored_fp8 = {}  # module -> codes or scale read so far, until its pair is complete
+
+    def set_fp8(module, codes, scale):
+        if module in fp8:
+            _set(model, f"{module}.weight", codes)
+            _set(model, f"{module}.weight{SCALE_SUFFIX}", scale)
+        else:  # quantize=False: dense from the codes; quantize=True refused before loading
+            _set(model, f"{module}.weight", dequantize_rows(codes, scale, dtype))
 
     model = build_expert_meta(src.dit_config, four_bit, compute_dtype)
     model.compute_dtype = compute_dtype
@@ -300,10 +313,20 @@ def _load(
                     qs = _restore_quant_state(layer, parts, device)
                     if module in four_bit:
                         _set(model, f"{module}.weight", _params4bit(parts["weight"], qs), qs)
-                    else:  # quantize=False: dense weights from bnb's dequantization
+                    else:  # quantize False or 'fp8': dense weights from bnb's dequantization
                         dense = bnb_f.dequantize_4bit(parts["weight"].reshape(-1, 1), qs)
-                        _set(model, f"{module}.weight", dense.to(dtype or qs.dtype))
+                        if module in fp8:
+                            set_fp8(module, *quantize_rows(dense.to(qs.dtype)))
+                        else:
+                            _set(model, f"{module}.weight", dense.to(dtype or qs.dtype))
+                        del dense
                     del parts, qs
+            elif ref.name in scale_of or ref.name[:-7] in src.fp8_layers:  # stored fp8: codes and scale
+                module = scale_of.get(ref.name, ref.name[:-7])
+                stored_fp8.setdefault(module, {})[ref.name == f"{module}.weight"] = placer.place(view)
+                if len(stored_fp8[module]) == 2:
+                    pair = stored_fp8.pop(module)
+                    set_fp8(module, pair[True], pair[False])
             elif ref.name.endswith(".weight") and ref.name[:-7] in four_bit:
                 # the dense weight exists once, transiently: on the device, or (CPU) as file pages
                 weight = view if device.type == "cpu" else placer.place(view)
@@ -311,14 +334,20 @@ def _load(
                 packed, qs = quantize_nf4(weight, dtype or view.dtype)
                 del weight
                 _set(model, ref.name, _params4bit(packed, qs), qs)
+            elif ref.name.endswith(".weight") and ref.name[:-7] in fp8:  # from the `dtype` value, as NF4
+                weight = merge_into_weight(ref.name, placer.place(view, dtype or view.dtype), merge)
+                set_fp8(ref.name[:-7], *quantize_rows(weight))
+                del weight
             else:
                 target = dense_dtype if view.dtype.is_floating_point else None
                 _set(model, ref.name, merge_into_weight(ref.name, placer.place(view, target), merge))
             del view
     finally:
         placer.close()
-    if pending:
-        raise CheckpointError(f"{src.path}: incomplete quantized layers after loading: {sorted(pending)}")
+    if pending or stored_fp8:
+        raise CheckpointError(
+            f"{src.path}: incomplete quantized layers after loading: {sorted([*pending, *stored_fp8])}"
+        )
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise CheckpointError(f"{src.path}: no stored tensor for {left}")
@@ -328,7 +357,7 @@ def _load(
 def load_expert(
     source,
     device=None,
-    quantize: bool | None = None,
+    quantize: bool | str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     *,
     compute_dtype: torch.dtype = torch.bfloat16,
@@ -340,7 +369,10 @@ def load_expert(
     source: a path (anything `detect_expert_format` takes) or an ExpertSource.
     quantize: None keeps the stored form (NF4 stays 4-bit, bf16 stays dense); True quantizes
     dense Linear weights to NF4 while streaming (blocksize 64, double quant); False dequantizes
-    4-bit weights to dense `dtype`.
+    4-bit weights to dense `dtype`; 'fp8' makes the DiT blocks' Linears fp8 codes with row scales
+    (`wan.fp8`): from a bf16/fp32 expert quantized from the `dtype` value as it streams in, from an NF4 one
+    by dequantizing each layer first (both errors add up), an fp8 folder as stored. An fp8 folder loads with
+    None or 'fp8' as stored, with False dequantized; True (NF4 from fp8) is refused.
     dtype: dtype of dense weights from original (bf16/fp32) experts and the input of streaming
     quantization; NF4 checkpoints keep every stored 16-bit tensor as stored.
     staging_bytes: pinned staging buffer size for CUDA (default 64 MiB x 2; 0 copies straight
@@ -358,12 +390,20 @@ def load_expert(
     outer = sys.exc_info()[1]  # an exception the caller is handling: not ours to clear
     try:
         with InterruptGuard() as guard:
+            if quantize not in (None, True, False, "fp8"):
+                raise ValueError(f"quantize: expected None, True, False or 'fp8', got {quantize!r}")
             src = source if isinstance(source, ExpertSource) else detect_expert_format(source)
             guard.check()
             if merge_loras and src.quantized:
                 raise ValueError(
                     f"{src.path}: LoRAs can be merged only into original bf16/fp32 experts quantized while "
-                    "loading; this expert is stored as NF4 (use the LoRA side path instead)"
+                    f"loading; this expert is stored as {'fp8' if src.fp8_layers else 'NF4'} (use the LoRA "
+                    "side path instead)"
+                )
+            if quantize is True and src.fp8_layers:
+                raise CheckpointError(
+                    f"{src.path}: stored as fp8; NF4 quantizing needs the original bf16/fp32 expert "
+                    "(load this one as stored, or give the original)"
                 )
             args = (
                 src,

@@ -12,13 +12,14 @@ from ..loaders import fast_run
 from ..loaders.fast_checkpoint import KINDS, MODEL_CHOICES, detect_kind, fast_model_dir
 from ..loaders.formats import DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, ExpertSource, detect_expert_format
 from ..loaders.request import RequestError, check_text_dim
-from ..wan import i2v
+from ..wan import attention, i2v
 from ..wan.config import CHUNKED_KINDS, ChunkedKind
 from ..wan.fast import FastSession, fast_frame_num, fast_latent_frames, kv_cache_bytes_for
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
 from .sampler import frame_inputs, image_to_input
+from .speed import SPEED, SpeedOptions, check_fp8_input
 from .text import TEXT, conditioning_to_context
 from .vae import sampler_vae
 
@@ -50,9 +51,9 @@ class FastHandle(ExpertsHandle):
     source: ExpertSource | None = None
     kind: ChunkedKind = field(default_factory=lambda: CHUNKED_KINDS["fast"])
 
-    def model(self, device, working_bytes: int):
-        """The loaded model on `device` (ComfyUI asked for room first)."""
-        return self.provider(device, working_bytes, {})("high")
+    def model(self, device, working_bytes: int, fp8: bool = False):
+        """The loaded model on `device` (ComfyUI asked for room first); `fp8`: with fp8 linears."""
+        return self.provider(device, working_bytes, {}, fp8)("high")
 
 
 class LingBotFastLoader:
@@ -261,6 +262,13 @@ class LingBotFastSampler:
                         "tooltip": "Instead of text: core CLIP Text Encode of the prompt with a wan CLIP.",
                     },
                 ),
+                "speed": (
+                    SPEED,
+                    {
+                        "tooltip": "From LingBot Speed: its attention and fp8_linears apply here (compile, step "
+                        "cache and lean activations are the base-cam sampler's). Without it: the exact computation.",
+                    },
+                ),
             },
         }
 
@@ -296,7 +304,17 @@ class LingBotFastSampler:
         camera=None,
         text=None,
         positive=None,
+        speed=None,
     ):
+        speed = speed or SpeedOptions()
+        if speed.compile or speed.cache is not None or speed.lean_activations is True:
+            raise ValueError(
+                "speed: the Fast sampler takes attention and fp8_linears from LingBot Speed; turn off compile, "
+                "step_cache and lean_activations there (they are the base-cam sampler's)"
+            )
+        attention.resolve(speed.attention)  # a missing backend's package is named before any work
+        if speed.fp8:
+            check_fp8_input(memory.torch_device())
         if (text is None) == (positive is None):
             raise ValueError(
                 "text: connect LingBot Text Encode to 'text' or a CLIP Text Encode to 'positive' (one)"
@@ -338,11 +356,11 @@ class LingBotFastSampler:
         session = None
         try:
             with hooks.in_phase("load_model"):
-                dit = model.model(device, kv + y.numel() * 4 * 4)
+                dit = model.model(device, kv + y.numel() * 4 * 4, speed.fp8)
             session = FastSession(dit, context.to(device), y, (lat_f, *size[:2]), config, device, hooks)
             del y
             timings = []
-            with hooks.in_phase("chunks"):
+            with hooks.in_phase("chunks"), attention.use(speed.attention):
                 fast_run.run_chunks(
                     session, fast_run.whole_path_cameras(cam, chunk), None, lambda c, v, t: timings.append(t)
                 )

@@ -7,7 +7,16 @@ from pathlib import Path
 import folder_paths
 
 from ..loaders.experts import ExpertSwitcher
-from ..loaders.formats import CONFIG, DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, find_experts
+from ..loaders.fast_run import device_bytes
+from ..loaders.formats import (
+    CONFIG,
+    DIFFUSERS_SINGLE,
+    NF4_PT,
+    NF4_WEIGHTS,
+    ExpertSource,
+    detect_expert_format,
+    find_experts,
+)
 from ..loaders.lora import EXPERTS as LORA_EXPERTS
 from ..loaders.lora import MAX_STRENGTH, LoraSpec
 from ..loaders.planner import expert_vram
@@ -78,26 +87,37 @@ class ExpertsHandle:
     swap_blocks: int = 0  # DiT blocks streamed from pinned host RAM (wan.block_swap)
     _switcher: ExpertSwitcher | None = field(default=None, repr=False)
     _switcher_key: tuple | None = field(default=None, repr=False)
+    _fp8_nbytes: dict | None = field(default=None, repr=False)  # device bytes per expert with fp8 linears
 
-    def switcher(self, device, loras: dict) -> ExpertSwitcher:
+    def switcher(self, device, loras: dict, fp8: bool = False) -> ExpertSwitcher:
         """`loras`: the plan's LoRAs read for these specs (the same on every run of this handle). The
-        switcher (and what it parked) is kept while the device and the LoRAs with their modes stay the same:
-        merged LoRAs live in the loaded weights, so changing them means loading the experts again."""
-        key = (self.loras, self.lora_merge)
+        switcher (and what it parked) is kept while the device, the LoRAs with their modes and `fp8` (LingBot
+        Speed's fp8_linears: the experts loaded with fp8 linears) stay the same: merged LoRAs and fp8 live in
+        the loaded weights, so changing them means loading the experts again."""
+        key = (self.loras, self.lora_merge, fp8)
         if self._switcher is None or self._switcher.device != device or self._switcher_key != key:
             self.close()
             side, merged = (loras, False) if not any(self.lora_merge) else self._split_loras(loras)
             self._switcher = ExpertSwitcher(
                 self.paths,
                 device,
-                quantize=self.quantize,
+                quantize="fp8" if fp8 else self.quantize,
                 ram_budget=self.ram_budget,
                 loras=side,
                 swap_blocks=self.swap_blocks,
                 merge_loras=merged,
             )
             self._switcher_key = key
+            self._fp8_nbytes = None if not fp8 else {name: self._fp8_bytes(name) for name in self.paths}
         return self._switcher
+
+    def _fp8_bytes(self, name: str) -> int:
+        """Device bytes of expert `name` loaded with fp8 linears (its headers read again where only a path is
+        held)."""
+        source = self.paths[name]
+        if not isinstance(source, ExpertSource):
+            source = detect_expert_format(source, require_config=False)
+        return device_bytes(source, "fp8")
 
     def _split_loras(self, loras: dict) -> tuple[dict, dict]:
         """The plan's {'high'|'low': [Lora]} (one per spec that applies, in chain order) -> (side path, merged)."""
@@ -123,9 +143,10 @@ class ExpertsHandle:
             allow_unmatched_lora_keys=self.allow_unmatched_lora_keys or allow_unmatched,
         )
 
-    def provider(self, device, working_bytes: int, loras: dict):
-        """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load."""
-        switcher = self.switcher(device, loras)
+    def provider(self, device, working_bytes: int, loras: dict, fp8: bool = False):
+        """`experts(name)` for wan.pipeline: drop the resident expert, ask ComfyUI for room, load (`fp8`:
+        with fp8 linears)."""
+        switcher = self.switcher(device, loras, fp8)
 
         def experts(name: str):
             if switcher.resident != name:
@@ -138,7 +159,8 @@ class ExpertsHandle:
 
     def resident_bytes(self, name: str) -> int:
         """Device bytes of expert `name` while resident: with swap, the unswapped blocks plus two in flight."""
-        return expert_vram(self.nbytes[name], self.config.num_layers, self.swap_blocks)
+        nbytes = self.nbytes if self._fp8_nbytes is None else self._fp8_nbytes
+        return expert_vram(nbytes[name], self.config.num_layers, self.swap_blocks)
 
     def release(self) -> None:
         """After sampling: park the expert in RAM if keep_in_ram_gb allows, else drop it."""

@@ -13,7 +13,7 @@ from ..wan.speed import SpeedStats
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, EXPERTS
-from .speed import SPEED
+from .speed import SPEED, check_fp8_input
 from .text import TEXT, sampler_text
 from .vae import VAE, sampler_vae
 
@@ -275,6 +275,9 @@ class LingBotSampler:
             else {"width": width, "height": height}
         )
         device = memory.torch_device()
+        fp8 = speed is not None and speed.fp8
+        if fp8:
+            check_fp8_input(device)
         check = memplan.MemoryCheck(
             memplan.MemoryRequest(
                 dict(experts.nbytes),
@@ -311,7 +314,7 @@ class LingBotSampler:
         try:
             latent = pipeline.sample(
                 vae=vae,
-                experts=experts.provider(device, plan.memory.working_vram, plan.loras),
+                experts=experts.provider(device, plan.memory.working_vram, plan.loras, fp8),
                 release_experts=experts.release,
                 hooks=hooks,
                 stats=stats,

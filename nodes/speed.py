@@ -1,8 +1,10 @@
-"""Speed options node: attention backend, compiled blocks, lean activations and the step cache for the sampler."""
+"""Speed options node: attention backend, compiled blocks, lean activations, the step cache and fp8 linears for the
+samplers."""
 
 import comfy.ldm.modules.attention as comfy_attention
 
 from ..wan import attention
+from ..wan.fp8 import fp8_problem
 from ..wan.speed import SpeedOptions
 from .models import CATEGORY
 
@@ -13,6 +15,13 @@ COMFY = "comfy"
 attention.register_comfy(COMFY, lambda *args, **kwargs: comfy_attention.optimized_attention(*args, **kwargs))
 DEFAULTS = SpeedOptions()
 LEAN = {"auto": "auto", "on": True, "off": False}  # widget value -> SpeedOptions.lean_activations
+
+
+def check_fp8_input(device) -> None:
+    """LingBot Speed's fp8_linears on a device without fp8 tensor cores: one clear error before any load."""
+    problem = fp8_problem(device)
+    if problem is not None:
+        raise ValueError(f"speed fp8_linears: {problem}".replace("leave fp8 off", "turn fp8_linears off"))
 
 
 class LingBotSpeed:
@@ -95,6 +104,16 @@ class LingBotSpeed:
                         "the memory plan says the run would not fit otherwise, before any block swap. Not with compile.",
                     },
                 ),
+                "fp8_linears": (
+                    "BOOLEAN",
+                    {
+                        "default": DEFAULTS.fp8,
+                        "tooltip": "Run the transformer blocks' linear layers in fp8 (e4m3, a scale per weight row and per "
+                        "token) on fp8 tensor cores: Ada, Hopper or Blackwell GPUs only. The model is loaded that way "
+                        "(quantized while streaming in; an fp8 folder from `lingbot.py quantize --format fp8` as "
+                        "stored; overrides quantize_to_nf4). Faster and smaller than bf16, not exact.",
+                    },
+                ),
             },
         }
 
@@ -107,6 +126,7 @@ class LingBotSpeed:
         cache_keep_first,
         cache_keep_last,
         lean_activations="auto",
+        fp8_linears=False,
     ):
         if lean_activations not in LEAN:
             raise ValueError(f"lean_activations: expected one of {list(LEAN)}, got {lean_activations!r}")
@@ -119,5 +139,6 @@ class LingBotSpeed:
                 cache_keep_first=cache_keep_first,
                 cache_keep_last=cache_keep_last,
                 lean_activations=LEAN[lean_activations],
+                fp8=fp8_linears,
             ),
         )

@@ -410,3 +410,29 @@ def test_bench_upstream_v2(tmp_path):
     # the same work was timed: one set of weights, upstream's inputs and noise, fp32 on the CPU
     assert len(s["rel_dev_per_chunk"]) == 5 and s["max_rel_dev_chunk_latents"] == max(s["rel_dev_per_chunk"])
     assert 0 <= s["max_rel_dev_chunk_latents"] < 1e-5
+
+
+def test_bench_fp8(tmp_path):
+    s = run_tiny("bench_fp8.py", tmp_path)
+    assert s["bench"] == "fp8" and s["device"] == "cpu" and "fp8 tensor cores" in s["fp8_problem"]
+    base = s["base_cam"]
+    assert base["fp8_layers"] > 0 and base["bf16_compiled"]["skipped"].startswith("CPU")
+    fp8_eager = base["fp8_eager"]
+    # fp8 moves the step's output, by a few percent on random weights; the exact path is the reference
+    assert (
+        0 < fp8_eager["latent_deviation"]["rel_l2"] < 0.2 and 0 < fp8_eager["flow_deviation"]["rel_l2"] < 0.2
+    )
+    assert base["floor"]["bf16_sustained_s"] > 0 and base["floor"]["fp8_sustained_s"] > 0
+    for kind in ("v2-1.3b", "v2-14b"):
+        v2 = s[kind]
+        assert v2["chunk_frames"] == 4 and v2["window"] == 18 and v2["sink"] == 6
+        assert len(v2["bf16"]["chunks_s"]) == len(v2["fp8"]["chunks_s"]) == 8
+        assert v2["bf16"]["forwards_per_chunk"] == 5
+        assert 0 < v2["fp8"]["first_chunk_deviation"]["rel_l2"] < 0.2
+        assert v2["fp8_over_bf16"] == pytest.approx(v2["fp8"]["chunk_s"] / v2["bf16"]["chunk_s"], rel=1e-2)
+    attn = s["attention"]
+    assert set(attn["packages"]) == {"flash_attn", "flash_attn_interface", "flashinfer", "sageattention"}
+    for shape in ("base_cam_self", "base_cam_cross", "v2_14b_chunk", "v2_1_3b_chunk", "v2_14b_chunk_kv22"):
+        ran = {k: v for k, v in attn[shape].items() if isinstance(v, dict) and "ms" in v}
+        assert "sdpa_auto" in ran and attn[shape]["fastest"] in ran
+        assert all(r["rel_l2"] < 0.01 for r in ran.values())  # bf16 kernels against the fp32 reference

@@ -95,7 +95,11 @@ def todays_loop(inp: Inputs, settings: SampleConfig) -> torch.Tensor:
 def test_everything_off_is_todays_loop_bit_for_bit(inputs):
     settings = SampleConfig(sample_steps=STEPS)
     before = todays_loop(inputs, settings)
-    for options in (None, SpeedOptions(), SpeedOptions(attention="sdpa", compile=False, cache=None)):
+    for options in (
+        None,
+        SpeedOptions(),
+        SpeedOptions(attention="sdpa", compile=False, cache=None, fp8=False),
+    ):
         assert torch.equal(inputs.denoise(speed=options), before)
     assert len(inputs.calls) == 2 * STEPS
 

@@ -24,6 +24,7 @@ from torch import nn
 from . import attention as attention_backends
 from . import parallel
 from .config import CONTROL_CHANNELS, DiTConfig
+from .fp8 import FP8, fp8_linear
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
 # FFN token chunk: above it the [L, 13824] intermediate is built piecewise (2 GB at 720p). 480p
@@ -36,7 +37,7 @@ LEAN_CHUNK = 8192
 
 
 def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit layers included.
+    """`layer(x)` computed in `dtype`, as autocast would run it; 4-bit and fp8 (`wan.fp8`) layers included.
 
     A layer carrying LoRA adapters (a `lora` submodule, see `wan.lora`) adds their unmerged side
     path in `dtype`: `((x @ down.T) @ up.T) * scale` per low-rank adapter, `(x @ diff.T) * scale`
@@ -62,6 +63,8 @@ def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     weight = layer.weight
+    if weight.dtype == FP8:  # wan.fp8: e4m3 codes with a scale per output row
+        return fp8_linear(x, weight, layer.weight_scale, layer.bias, dtype)
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is not None:  # bitsandbytes Params4bit
         if dtype == quant_state.dtype:

@@ -24,7 +24,7 @@ import torch
 from . import attention, i2v
 from .config import SampleConfig
 from .schedulers import cfg, expert_for_timestep, guide_scale_for, make_scheduler
-from .speed import SpeedOptions, SpeedStats, block_runner
+from .speed import SpeedOptions, SpeedStats, block_runner, check_fp8_loaded
 from .speed import prepare as prepare_model
 from .step_cache import EasyCache
 
@@ -97,6 +97,7 @@ def denoise(
                 if text is not None:  # embeddings a background encoder made while the expert loaded
                     context, context_null = (None if e is None else e.to(device) for e in text())
                     text = None
+                check_fp8_loaded(model, speed)
                 prepare_model(model, runner)
                 if speed.lean:  # the expert leaves this loop with its normal blocks
                     model.lean_activations = True

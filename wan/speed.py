@@ -14,6 +14,9 @@
   (`loaders.request.plan_request`): on only when the run would not fit otherwise, before any block
   swap; an 'auto' no planner resolved runs as off. Not with ``compile`` (refused when both are on;
   'auto' never picks it under compile).
+- ``fp8``: the DiT blocks' Linears in fp8 e4m3 with row-wise scales (`wan.fp8`; CUDA compute capability
+  8.9+). A load setting: the front ends load the experts with ``quantize='fp8'`` (lossy; the deviation from
+  the exact path is in benchmarks/bench_fp8.py). Compiles with the blocks (torch's own scaled matmul).
 Guide scale 1 always runs one forward per step (the cond prediction, exactly); no option needed.
 """
 
@@ -41,6 +44,7 @@ class SpeedOptions:
     cache_keep_first: int = 7
     cache_keep_last: int = 1
     lean_activations: bool | str = "auto"
+    fp8: bool = False
 
     def __post_init__(self):
         if not isinstance(self.attention, str):
@@ -57,6 +61,8 @@ class SpeedOptions:
             raise ValueError(
                 f"cache_threshold must be a finite number >= 0 or a (low, high) pair of them, got {self.cache_threshold!r}"
             )
+        if not isinstance(self.fp8, bool):
+            raise ValueError(f"fp8 must be True or False, got {self.fp8!r}")
         if not (isinstance(self.lean_activations, bool) or self.lean_activations == "auto"):
             raise ValueError(f"lean_activations must be True, False or 'auto', got {self.lean_activations!r}")
         if self.compile and self.lean_activations is True:
@@ -181,6 +187,18 @@ def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
     if _compiled_blocks is None or _compiled_blocks.failed:
         _compiled_blocks = CompiledBlocks()
     return _compiled_blocks
+
+
+def check_fp8_loaded(model: torch.nn.Module, options: SpeedOptions) -> None:
+    """`options.fp8` asks for fp8 linears, which the loader makes: refuse an expert loaded without them
+    rather than run it in bf16 unnoticed."""
+    from .fp8 import is_fp8
+
+    if options.fp8 and not any(is_fp8(m) for m in model.modules()):
+        raise ValueError(
+            "fp8: the expert was loaded without fp8 linears; load it with quantize='fp8' (CLI --fp8, LingBot "
+            "Speed fp8_linears) or from an fp8 folder"
+        )
 
 
 def prepare(model: torch.nn.Module, runner: CompiledBlocks | None) -> None:

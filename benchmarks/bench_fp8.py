@@ -1,0 +1,446 @@
+"""Benchmark: fp8 linears (e4m3, row-wise scales, `wan.fp8`) against today's bf16 path, and SDPA's attention
+backends, at the base-cam step and the v2 chunk shapes, each beside its kernel floor.
+
+Random full-size models are built on the device (no files; weights by `wan.dit.init_random_`'s rules, bf16 as
+a loaded expert holds them), then their blocks' Linears are quantized in place as the loader's
+``quantize='fp8'`` does. Random weights say nothing about image quality: deviations are numerics only.
+
+- ``base_cam``: one CFG step of the A14B expert at 464x832x81 (31,668 tokens) through `wan.pipeline.denoise`
+  (as bench_speed): bf16 eager (the exact path), bf16 compiled, fp8 eager, fp8 compiled. Deviation of the
+  step's latent and of one forward's flow prediction from the exact path (relative L2, max abs).
+- ``v2``: the chunk loop (`wan.fast.FastSession.next_chunk`: 4 steps + the commit forward) of the v2 1.3B and
+  14B at 464x832, chunk 4 latent frames, window 18 / sink 6 (the documented run), timed once the window is
+  full; bf16 then fp8 (eager: the chunk loop runs no compiled blocks); deviation of each chunk's latent.
+- floors: the step's kernels alone back to back (GEMMs at the real shapes with their biases, SDPA attention),
+  in bf16 (`bench_speed.kernel_floor`'s sequence) and with the GEMMs as fp8 scaled matmuls on pre-quantized
+  operands; plus the sustained dense GEMM rate of each precision measured here x the step's GEMM FLOPs.
+- ``attention``: SDPA's flash / cuDNN / efficient backends (and the automatic choice) at the base-cam self-
+  and cross-attention and the v2 chunk shapes (q = 4 latent frames, k/v = the 18-frame window, which holds
+  the chunk's own slots, as the loop runs; and 22 frames, window + chunk), time and
+  deviation from an fp32 reference; flash-attn, flashinfer and sageattention only when importable (listed
+  as absent otherwise).
+
+    python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
+    python benchmarks/bench_fp8.py --scale full --skip v2-14b   # cases to leave out
+    python benchmarks/bench_fp8.py --scale tiny                 # CPU smoke run, seconds
+
+Prints one JSON line at the end.
+"""
+
+import argparse
+import functools
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_speed import SHAPES, Step, kernel_floor, rel_error, run_case, sync, timed  # noqa: E402
+from lingbot_world.loaders import synthetic  # noqa: E402
+from lingbot_world.wan import fp8  # noqa: E402
+from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
+from lingbot_world.wan.dit import WanModel  # noqa: E402
+from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
+from lingbot_world.wan.speed import SpeedOptions, compiler_missing  # noqa: E402
+
+CHUNK_SHAPE = {"full": (464, 832), "tiny": (32, 48)}
+WARM_CHUNKS, TIMED_CHUNKS = 5, 3  # window 18 is full after 5 chunks of 4
+
+
+def tiny(cfg):
+    """A CPU-sized stand-in for `cfg` (the smoke run)."""
+    return synthetic.tiny_config("cam", text_dim=64, text_len=64)
+
+
+@torch.no_grad()
+def random_model(cfg, device, seed=0) -> WanModel:
+    """A bf16 model with `init_random_`'s value rules, drawn on the device (minutes less than on the host)."""
+    with torch.device("meta"):
+        model = WanModel.from_config(cfg).to(torch.bfloat16)  # bf16 before any memory exists
+    model = model.to_empty(device=device).eval().requires_grad_(False)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        r = torch.randn(p.shape, generator=g, device=device)
+        if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
+            r = 1 + 0.1 * r
+        elif p.dim() >= 2 and "modulation" not in name:
+            r = r / math.sqrt(p[0].numel())
+        else:
+            r = 0.1 * r
+        p.copy_(r)
+    return model
+
+
+def to_fp8_(model) -> int:
+    """Quantize the blocks' Linears in place, as the loader's quantize='fp8' does; returns how many."""
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
+            fp8.quantize_layer_(m)
+            n += 1
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return n
+
+
+def deviation(x, ref) -> dict:
+    return {"rel_l2": rel_error(x, ref), "max_abs": float((x.float() - ref.float()).abs().max())}
+
+
+def gemm_flops(cfg, q_tokens: int, text_tokens: int, forwards: int) -> int:
+    """FLOPs of a forward's block GEMMs: 10 dim x dim at q tokens (self q/k/v/o, camera 4, cross q/o), FFN up and
+    down, cross k/v over `text_tokens` (0 where cached); times blocks and forwards."""
+    d, f = cfg.dim, cfg.ffn_dim
+    per_block = 2 * (q_tokens * (10 * d * d + 2 * d * f) + text_tokens * 2 * d * d)
+    return per_block * cfg.num_layers * forwards
+
+
+def gemm_rate(device, m: int, k: int, n: int, use_fp8: bool, seconds: float = 2.0) -> float:
+    """Sustained TFLOP/s of one [m, k] x [k, n] GEMM run back to back for ~`seconds` (bf16, or fp8 row-wise)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(m, k, generator=g, device=device)
+    b = torch.randn(n, k, generator=g, device=device)
+    if use_fp8:
+        (aq, sa), (bq, sb) = fp8.quantize_rows(a), fp8.quantize_rows(b)
+
+        def fn():
+            torch._scaled_mm(aq, bq.t(), scale_a=sa[:, None], scale_b=sb[None, :], out_dtype=torch.bfloat16)
+    else:
+        a, b = a.bfloat16(), b.bfloat16()
+
+        def fn():
+            a @ b.t()
+
+    fn()
+    sync(device)
+    t = min(timed(fn, device, 3))
+    reps = max(1, int(seconds / max(t, 1e-6)))
+
+    def burst():
+        for _ in range(reps):
+            fn()
+
+    burst()
+    return 2 * m * k * n * reps / min(timed(burst, device, 2)) / 1e12
+
+
+def floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int, use_fp8: bool) -> float:
+    """Sustained seconds of the kernels alone, back to back: per block the GEMMs at the real shapes with their
+    biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
+    (SDPA bf16); `text_tokens` 0: cross k/v cached (the chunk loop)."""
+    dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dt)
+
+    x, ctx, hidden = rand(q_tokens, dim), rand(max(text_tokens, 1), dim), rand(q_tokens, ffn)
+    w_sq, w_up, w_down, b_dim, b_ffn = rand(dim, dim), rand(ffn, dim), rand(dim, ffn), rand(dim), rand(ffn)
+    if use_fp8:
+        quant = {id(t): fp8.quantize_rows(t) for t in (x, ctx, hidden, w_sq, w_up, w_down)}
+
+        def gemm(a, w, b):
+            (aq, sa), (wq, sw) = quant[id(a)], quant[id(w)]
+            return torch._scaled_mm(
+                aq, wq.t(), scale_a=sa[:, None], scale_b=sw[None, :], bias=b, out_dtype=torch.bfloat16
+            )
+    else:
+        gemm = F.linear
+    gemms = [(x, w_sq, b_dim, 10), (x, w_up, b_ffn, 1), (hidden, w_down, b_dim, 1)]
+    if text_tokens:
+        gemms.append((ctx, w_sq, b_dim, 2))
+    d = dim // heads
+    q, k, v = rand(1, heads, q_tokens, d), rand(1, heads, kv_tokens, d), rand(1, heads, kv_tokens, d)
+    kv_text = rand(1, heads, cfg.text_len, d)
+
+    def sequence():
+        for _ in range(cfg.num_layers * forwards):
+            for a, w, b, count in gemms:
+                for _ in range(count):
+                    gemm(a, w, b)
+            F.scaled_dot_product_attention(q, k, v)
+            F.scaled_dot_product_attention(q, kv_text, kv_text)
+
+    sequence()
+    return min(timed(sequence, device, 2))
+
+
+def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates) -> dict:
+    out = {}
+    for name, use_fp8 in (("bf16", False), ("fp8", True)):
+        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8)
+        out[f"{name}_sustained_s"] = round(seq, 5)
+    # the GEMM FLOPs at each precision's sustained rate, plus the attention of the bf16 floor's kernels
+    flops = gemm_flops(cfg, q_tokens, text_tokens, forwards)
+    attn = kernel_floor(cfg, q_tokens, device, 3, forwards) if kv_tokens == q_tokens else None
+    for name in ("bf16", "fp8"):
+        gemm_s = flops / (rates[name] * 1e12)
+        out[f"{name}_gemm_at_rate_s"] = round(gemm_s, 5)
+        if attn is not None:
+            out[f"{name}_rate_floor_s"] = round(gemm_s + attn["attention_s"], 5)
+    out["gemm_tflop"] = round(flops / 1e12, 3)
+    return out
+
+
+def base_cam(args, device, rates) -> dict:
+    cfg = A14B if args.scale == "full" else tiny(A14B)
+    model = random_model(cfg, device)
+    step = Step(model, cfg, device, SHAPES[args.scale])
+    t999 = torch.tensor([999.0], device=device)
+
+    def flow():
+        with torch.no_grad():
+            return model(step.noise, t999, step.context, y=step.y, cam=step.cam)
+
+    compile_issue = compiler_missing(device)
+    if device.type == "cpu" and not args.cpu_compile:
+        compile_issue = "CPU: inductor takes minutes to build; pass --cpu-compile"
+    out = {"tokens": step.tokens, "size": list(SHAPES[args.scale][:3])}
+    exact = run_case(step, SpeedOptions(), 5.0, args.repeats)
+    reference, flow_ref = exact.pop("latent"), flow()
+    out["bf16_eager"] = exact
+    cases = [("bf16_compiled", SpeedOptions(compile=True), False)]
+    cases += [
+        ("fp8_eager", SpeedOptions(fp8=True), True),
+        ("fp8_compiled", SpeedOptions(compile=True, fp8=True), True),
+    ]
+    for name, options, quantized in cases:
+        if quantized and not fp8.is_fp8(model.blocks[0].self_attn.q):
+            out["fp8_layers"] = to_fp8_(model)
+        if options.compile and compile_issue:
+            out[name] = {"skipped": compile_issue}
+            continue
+        res = run_case(step, options, 5.0, args.repeats, reference)
+        res["latent_deviation"] = deviation(res.pop("latent"), reference)
+        if not options.compile:
+            res["flow_deviation"] = deviation(flow(), flow_ref)
+        out[name] = res
+        print(f"base_cam {name}: {res}", file=sys.stderr)
+    out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates)
+    for name in ("bf16_compiled", "fp8_compiled", "fp8_eager"):
+        if "step_s" in out.get(name, {}):
+            out[f"{name}_over_bf16_compiled"] = (
+                round(out[name]["step_s"] / out["bf16_compiled"]["step_s"], 3)
+                if "step_s" in out["bf16_compiled"]
+                else None
+            )
+    for prec, case in (("bf16", "bf16_compiled"), ("fp8", "fp8_compiled")):
+        if "step_s" in out.get(case, {}):
+            out[f"{case}_over_sustained_floor"] = round(
+                out[case]["step_s"] / out["floor"][f"{prec}_sustained_s"], 3
+            )
+    return out
+
+
+def v2_case(kind_name, args, device, rates) -> dict:
+    kind = CHUNKED_KINDS[kind_name]
+    cfg = kind.dit if args.scale == "full" else tiny(kind.dit)
+    h, w = CHUNK_SHAPE[args.scale]
+    lat_h, lat_w, chunk = h // 8, w // 8, kind.chunk_frames
+    chunks = WARM_CHUNKS + TIMED_CHUNKS
+    lat_shape = (chunk * chunks, lat_h, lat_w)
+    config = FastConfig.for_kind(kind, seed=0)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(20, *lat_shape, generator=g).to(device)
+    context = torch.randn(60, cfg.text_dim, generator=g).to(device)
+    cams = [
+        torch.randn(1, CONTROL_CHANNELS["cam"], chunk, lat_h, lat_w, generator=g).to(device)
+        for _ in range(chunks)
+    ]
+    model = random_model(cfg, device, seed=1)
+    frame_tokens = (lat_h // 2) * (lat_w // 2)
+    out = {"chunk_frames": chunk, "window": config.local_attn_size, "sink": config.sink_size}
+    out["q_tokens"], out["kv_tokens_when_full"] = chunk * frame_tokens, config.local_attn_size * frame_tokens
+    latents = {}
+    for name in ("bf16", "fp8"):
+        if name == "fp8":
+            out["fp8_layers"] = to_fp8_(model)
+        session = FastSession(model, context, y, lat_shape, config, device)
+        times, xs = [], []
+        for c in range(chunks):
+            sync(device)
+            t0 = time.perf_counter()
+            xs.append(session.next_chunk(cams[c]))
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        session.close()
+        latents[name] = xs
+        steady = times[WARM_CHUNKS:]
+        out[name] = {
+            "chunk_s": round(sum(steady) / len(steady), 4),
+            "chunks_s": [round(t, 4) for t in times],
+            "forwards_per_chunk": len(config.timestep_index) + 1,
+        }
+        if device.type == "cuda":
+            out[name]["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
+        print(f"{kind_name} {name}: {out[name]}", file=sys.stderr)
+    out["fp8"]["first_chunk_deviation"] = deviation(latents["fp8"][0], latents["bf16"][0])
+    out["fp8"]["last_chunk_deviation"] = deviation(latents["fp8"][-1], latents["bf16"][-1])
+    out["fp8_over_bf16"] = round(out["fp8"]["chunk_s"] / out["bf16"]["chunk_s"], 3)
+    # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)
+    forwards = out["bf16"]["forwards_per_chunk"]
+    kv = min(out["kv_tokens_when_full"], out["q_tokens"] * chunks) or out["q_tokens"]
+    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates)
+    for prec in ("bf16", "fp8"):
+        out[f"{prec}_over_sustained_floor"] = round(
+            out[prec]["chunk_s"] / out["floor"][f"{prec}_sustained_s"], 3
+        )
+    del model
+    return out
+
+
+def attention_cases(args, device) -> dict:
+    """SDPA backends (and the optional packages) at the base-cam and v2 chunk attention shapes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    full = args.scale == "full"
+    frame = (58 // 2) * (104 // 2) if full else 4 * 6
+    shapes = {  # name: (heads, q tokens, kv tokens)
+        "base_cam_self": (
+            40 if full else 4,
+            21 * frame if full else 3 * frame,
+            21 * frame if full else 3 * frame,
+        ),
+        "base_cam_cross": (40 if full else 4, 21 * frame if full else 3 * frame, 512 if full else 64),
+        # the chunk loop's cache holds the window, the chunk's own slots included: k/v = 18 frames when full
+        "v2_14b_chunk": (40 if full else 4, 4 * frame, 18 * frame),
+        "v2_1_3b_chunk": (12 if full else 4, 4 * frame, 18 * frame),
+        # the issue's wording (window + chunk: 22 frames), for comparison
+        "v2_14b_chunk_kv22": (40 if full else 4, 4 * frame, 22 * frame),
+    }
+    backends = {
+        "sdpa_auto": None,
+        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    extra = {}
+    for pkg in ("flash_attn", "flash_attn_interface", "flashinfer", "sageattention"):
+        extra[pkg] = "importable" if importlib.util.find_spec(pkg) is not None else "absent"
+    out = {"packages": extra}
+    d = 128 if full else 16
+    for shape, (heads, lq, lk) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (
+            torch.randn(1, heads, n, d, generator=g, device=device, dtype=torch.bfloat16)
+            for n in (lq, lk, lk)
+        )
+        try:
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        except RuntimeError as err:
+            ref, out_ref = None, str(err).splitlines()[0][:200]
+        res = {"heads": heads, "q_tokens": lq, "kv_tokens": lk}
+        if ref is None:
+            res["reference_error"] = out_ref
+        runs = {name: functools.partial(_with_backend, backend) for name, backend in backends.items()}
+        optional = {"flash_attn": _flash_attn, "sageattention": _sage, "flashinfer": _flashinfer}
+        runs.update({name: fn for name, fn in optional.items() if extra[name] == "importable"})
+        for name, kernel in runs.items():
+            fn = functools.partial(kernel, q, k, v)
+            try:
+                o = fn()
+                t = min(timed(fn, device, max(args.repeats, 3)))
+            except Exception as err:  # noqa: BLE001 - a backend that cannot take this shape/card: say why
+                res[name] = {"unavailable": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"}
+                continue
+            res[name] = {"ms": round(t * 1e3, 3)}
+            if ref is not None:
+                res[name].update(deviation(o, ref))
+        timed_ok = {n: r["ms"] for n, r in res.items() if isinstance(r, dict) and "ms" in r}
+        if timed_ok:
+            res["fastest"] = min(timed_ok, key=timed_ok.get)
+        out[shape] = res
+        print(f"attention {shape}: {res}", file=sys.stderr)
+        del q, k, v, ref
+    return out
+
+
+def _with_backend(backend, q, k, v):
+    """SDPA restricted to `backend` (None: PyTorch's own choice)."""
+    from torch.nn.attention import sdpa_kernel
+
+    if backend is None:
+        return F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def _flash_attn(q, k, v):
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+
+
+def _sage(q, k, v):
+    from sageattention import sageattn
+
+    return sageattn(q, k, v, tensor_layout="HND", is_causal=False)
+
+
+def _flashinfer(q, k, v):
+    import flashinfer
+
+    o = flashinfer.single_prefill_with_kv_cache(*(t[0].transpose(0, 1) for t in (q, k, v)))
+    return o.transpose(0, 1)[None]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
+    ap.add_argument("--workdir", type=Path, default=None, help="unused (no files are written); for symmetry")
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="timed steps per base-cam case (after one warm-up)"
+    )
+    ap.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["base_cam", "v2-1.3b", "v2-14b", "attention"],
+        help="cases to leave out",
+    )
+    ap.add_argument("--cpu-compile", action="store_true", help="also compile on CPU (minutes to build)")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    if args.scale == "full" and not cuda:
+        raise SystemExit("--scale full needs a CUDA GPU")
+    device = torch.device("cuda" if cuda else "cpu")
+    summary = {
+        "bench": "fp8",
+        "scale": args.scale,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+        "torch": torch.__version__,
+        "fp8_problem": fp8.fp8_problem(device),
+        "note": "random weights: deviations are numerics only, not image quality",
+    }
+    if cuda and summary["fp8_problem"] is not None:
+        raise SystemExit(f"fp8 cannot run here: {summary['fp8_problem']}")
+    big = (16384, 5120, 13824) if args.scale == "full" else (256, 64, 128)
+    rates = {"bf16": gemm_rate(device, *big, use_fp8=False), "fp8": gemm_rate(device, *big, use_fp8=True)}
+    summary["sustained_gemm_tflops"] = {k: round(v, 1) for k, v in rates.items()}
+    summary["sustained_gemm_shape"] = list(big)
+    t0 = time.perf_counter()
+    if "base_cam" not in args.skip:
+        summary["base_cam"] = base_cam(args, device, rates)
+        torch._dynamo.reset()  # the compiled graphs' references to that model go with them
+    for kind in ("v2-1.3b", "v2-14b"):
+        if cuda:
+            torch.cuda.empty_cache()
+        if kind not in args.skip:
+            summary[kind] = v2_case(kind, args, device, rates)
+    if "attention" not in args.skip:
+        summary["attention"] = attention_cases(args, device)
+    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

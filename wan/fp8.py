@@ -1,0 +1,106 @@
+"""fp8 (e4m3) Linear layers with row-wise scales: the weight quantized per output row, the activation per
+token at run time, one `torch._scaled_mm` (fp8 tensor cores: CUDA compute capability 8.9+) per call.
+
+A quantized layer keeps its `nn.Linear` and holds `weight` as float8_e4m3fn [out, in] plus `weight_scale`
+fp32 [out] (weight ~= weight_fp8 * weight_scale[:, None]); `wan.dit.linear` sees the fp8 dtype and calls
+`fp8_linear`. Only the DiT blocks' Linears are quantized (`fp8_layer`): the embeddings and the head stay as
+loaded (small, and the head runs in fp32). This is torch's own scaled matmul, not a tensor subclass, so a
+compiled block traces through it like any other op.
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+SCALE_SUFFIX = "_scale"  # '<layer>.weight_scale' beside '<layer>.weight'
+FALLBACK = "leave fp8 off (bf16 linears, exact), or quantize to NF4 (--quantize) to save memory"
+_TINY = 1e-12  # an all-zero row gets this amax: scale > 0, codes 0
+
+
+def fp8_layer(name: str, shape) -> bool:
+    """Whether the Linear `name` with weight `shape` (out, in) is quantized to fp8: the DiT blocks' Linears
+    whose sizes the scaled matmul takes (multiples of 16)."""
+    return name.startswith("blocks.") and len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 16 == 0
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 codes, fp32 scales [rows]) of a 2-D tensor, one scale per row: amax / 448, so each row's
+    largest magnitude maps to e4m3's largest value."""
+    tf = t.float()
+    scale = tf.abs().amax(dim=-1).clamp_min(_TINY) / FP8_MAX
+    codes = (tf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes, scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return (codes.float() * scale[:, None]).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias, dtype) -> torch.Tensor:
+    """`x @ W.T + b` with W = weight (fp8) * scale per row: x quantized per token (row-wise amax / 448) from
+    its own precision, one scaled matmul accumulating in fp32, bf16 out (what the row-wise kernel writes),
+    returned in `dtype`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(x2)
+    out = torch._scaled_mm(
+        xq,
+        weight.t(),
+        scale_a=xs[:, None],
+        scale_b=scale[None, :],
+        bias=None if bias is None else bias.to(torch.bfloat16),
+        out_dtype=torch.bfloat16,
+    )
+    return out.to(dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def is_fp8(layer: nn.Module) -> bool:
+    weight = getattr(layer, "weight", None)
+    return weight is not None and weight.dtype == FP8
+
+
+def quantize_layer_(layer: nn.Linear) -> None:
+    """Replace a dense Linear's weight by its fp8 codes and row scales, in place (on its device)."""
+    codes, scale = quantize_rows(layer.weight.detach())
+    layer._parameters["weight"] = nn.Parameter(codes, requires_grad=False)
+    layer._parameters["weight" + SCALE_SUFFIX] = nn.Parameter(scale, requires_grad=False)
+
+
+def fp8_problem(device) -> str | None:
+    """Why fp8 linears cannot run on `device` (None: they can), naming the fallback."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (
+            f"fp8 linears need a CUDA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+            f"Blackwell); this run is on {device.type}. Instead: {FALLBACK}"
+        )
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_problem(index)
+
+
+@functools.cache
+def _cuda_problem(index: int) -> str | None:
+    major, minor = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    if (major, minor) < (8, 9):
+        return (
+            f"fp8 linears need fp8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell); {name} is "
+            f"{major}.{minor}. Instead: {FALLBACK}"
+        )
+    try:  # this torch build's row-wise scaled matmul on this card, once
+        a = torch.ones(16, 16, device=f"cuda:{index}").to(FP8)
+        s = torch.ones(16, 1, device=f"cuda:{index}")
+        fp8_linear(a.float(), a, s[:, 0], None, torch.bfloat16)
+    except RuntimeError as err:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return f"this PyTorch has no row-wise fp8 matmul on {name} ({first}). Instead: {FALLBACK}"
+    return None
+
+
+def check_fp8(device) -> None:
+    """Raise ValueError (the message of `fp8_problem`) when fp8 linears cannot run on `device`."""
+    problem = fp8_problem(device)
+    if problem is not None:
+        raise ValueError(problem)

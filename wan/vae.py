@@ -748,6 +748,25 @@ class ChunkDecoder:
             yield self._finish(out)
 
 
+def decode_dtype(name: str, device) -> torch.dtype | None:
+    """The decode a front end's name asks for: None for 'fp32' (the exact decode, the VAE's own decoder),
+    else the fast decoder's dtype; ValueError (naming `vae_dtype` and the fallback) where `device` lacks it.
+    Both run on the CPU too, slowly: the speed is for GPU tensor cores."""
+    if name not in DECODE_DTYPES:
+        raise ValueError(f"vae_dtype: expected one of {', '.join(DECODE_DTYPES)}, got {name!r}")
+    device = torch.device(device)
+    if (
+        name == "bf16"
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ValueError(
+            f"vae_dtype: {torch.cuda.get_device_name(device)} has no bf16 (it needs an Ampere or newer GPU); "
+            "use fp16 (as fast, same memory) or fp32"
+        )
+    return None if name == "fp32" else DECODE_DTYPES[name]
+
+
 def _ramp(spans: list[tuple[int, int]], i: int, s: int) -> torch.Tensor:
     """1D blend weights (output pixels) of tile i: linear over each overlap with a neighbour, else 1."""
     a, b = spans[i]

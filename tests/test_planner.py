@@ -575,3 +575,16 @@ def test_v2_1_3b_fits_8_gib_with_the_fast_decoder():
     bf16_kv = fast_run.fast_config(None, 0, None, None, "bf16", kind)
     message = fast_run.fast_fit_issue(model, shape, bf16_kv, True, 0, free, "auto")
     assert "--vae_dtype fp16 --kv_dtype fp8" in message
+
+
+def test_plan_names_the_fast_decoder(demo_ckpt, capsys):
+    """`plan --vae_dtype fp16` plans generate's decode with the fast decoder; `plan --model v2-1.3b` at 8 GiB
+    is refused naming --vae_dtype and passes with it (exit 2 / 0, nothing loaded either way)."""
+    assert cli.main(["plan", *generate_argv(demo_ckpt, "--vae_dtype", "fp16")]) == 0
+    assert "fp16 decoder" in capsys.readouterr().out
+    argv = ["plan", "--model", "v2-1.3b", "--size", "464*832", "--frame_num", "109", "--vram", "7.8"]
+    argv += ["--kv_dtype", "fp8", "--t5_cpu"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip().endswith("would fit with --vae_dtype fp16")
+    assert cli.main([*argv, "--vae_dtype", "fp16"]) == 0
+    assert "a chunk's work 3.6" in capsys.readouterr().out

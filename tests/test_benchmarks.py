@@ -363,3 +363,24 @@ def test_bench_upstream_step(tmp_path):
     assert s["ours_over_upstream"] == pytest.approx(ours["step_s"] / up["step_s"], rel=1e-2)
     # the same weights and inputs: upstream's CFG prediction is ours up to bf16 compute
     assert 0 < up["cfg_pred_rel_diff_vs_ours"] < 0.02
+
+
+def test_bench_vae_chunk_mode(tmp_path):
+    """The chunked decode, fp32 against the fast decoder: every variant decodes the same latents (the fast
+    ones close to fp32, fp16 closer than bf16) and the target is judged from the figures."""
+    s = run_tiny("bench_vae.py", tmp_path, "--mode", "chunk")
+    chunk, cases = s["chunk"], s["cases"]
+    assert chunk["frames_per_chunk"] == 16 and chunk["chunks_timed"] == 1 and chunk["latent"] == [2, 4]
+    names = ["fp32", "bf16", "bf16_channels_last", "fp16", "fp16_channels_last"]
+    assert list(cases) == [f"chunk_{n}" for n in names]
+    assert "psnr_db_vs_fp32" not in cases["chunk_fp32"]
+    for n in names[1:]:
+        row = cases[f"chunk_{n}"]
+        assert row["chunk_s"] > 0 and row["first_4_frames_s"] <= row["chunk_s"]
+        assert 35 < row["psnr_db_vs_fp32"] < math.inf
+        assert row["meets_target"] == (row["time_vs_fp32"] <= 0.35 and row["psnr_db_vs_fp32"] >= 40)
+    assert cases["chunk_fp16"]["psnr_db_vs_fp32"] > cases["chunk_bf16"]["psnr_db_vs_fp32"]
+    # channels-last changes the layout, not the arithmetic's precision
+    assert (
+        abs(cases["chunk_bf16_channels_last"]["psnr_db_vs_fp32"] - cases["chunk_bf16"]["psnr_db_vs_fp32"]) < 3
+    )

@@ -135,16 +135,18 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
     from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
     from lingbot_world.wan.config import CHUNKED_KINDS
 
-    extra, env, kv = ["--command", "fast", "--model", model], {}, "bf16"
+    extra, env, kv, decoder = ["--command", "fast", "--model", model], {}, "bf16", "fp32"
     if model == "v2-14b":
         extra, kv = [*extra, "--extra", "--kv_dtype fp8"], "fp8"
+    else:  # the fast decoder, as the 8 GiB run of the 1.3B takes it
+        extra, decoder = [*extra, "--extra", "--vae_dtype fp16"], "fp16"
     if not pyav:
         (tmp_path / "nopyav").mkdir()
         (tmp_path / "nopyav" / "av.py").write_text("raise ImportError('no PyAV here')\n")
         env["PYTHONPATH"] = str(tmp_path / "nopyav")
     s = run_tiny("bench_pipeline.py", tmp_path, *extra, env=env)
     assert s["rc"] == 0 and s["error"] is None and s["device"] == "cpu"
-    assert (s["command"], s["model"], s["kv_dtype"]) == ("fast", model, kv)
+    assert (s["command"], s["model"], s["kv_dtype"], s["vae_dtype"]) == ("fast", model, kv, decoder)
     phases = s["phases"]
     assert [p["phase"] for p in phases] == FAST_PHASES
     # 109 frames at 64*112 -> 28 latent frames of 6x14: 7 chunks of 4 (13 frames, then 16), window 18 / sink 6
@@ -166,7 +168,7 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
     # the prediction recorded is the CLI's: fast_memory for the run's settings gives the same figures
     files = resolve_fast_dir(s["ckpt_dir"], model, s["assets_dir"])
     config = fast_run.fast_config(None, 0, None, None, kv, CHUNKED_KINDS[model])
-    need = fast_run.fast_memory(files, (28, 6, 14), config, None, 0, "auto")
+    need = fast_run.fast_memory(files, (28, 6, 14), config, None, 0, "auto", decoder)
     assert s["predicted"] == {f"{k}_gib": round(getattr(need, k) / 2**30, 3) for k in PREDICTED}
     assert need.peak == max(need.loop, need.encode) > need.caches > 0
     # CPU: no VRAM measured and no fit check (the CLI checks on CUDA); host RAM beside its prediction

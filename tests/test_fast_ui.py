@@ -331,3 +331,24 @@ def test_fast_vae_dtype_refusals(fast_ckpt, shipped_example, tmp_path, capsys, m
     assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--vae_dtype", "bf16")) == 2
     assert "error: --vae_dtype: Tesla T4 has no bf16" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_vae_decode_node_fast_decoder(fast_ckpt, tmp_path, fake_comfy):
+    """LingBot VAE Decode's optional vae_dtype: left out or fp32 is the exact decode; fp16 decodes close to
+    it with the fast decoder; a bad value is refused naming the input."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    assert nodes.LingBotVAEDecode.INPUT_TYPES()["optional"]["vae_dtype"][0] == ["fp32", "bf16", "fp16"]
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    samples = {
+        "samples": vae.model.to_comfy_latent(
+            torch.randn(16, 2, 4, 6, generator=torch.Generator().manual_seed(3))
+        )
+    }
+    decode = functools.partial(nodes.LingBotVAEDecode().decode, vae, samples, "none", 64, 64)
+    (exact,) = decode()
+    assert torch.equal(decode(vae_dtype="fp32")[0], exact)
+    (fast,) = decode(vae_dtype="fp16")
+    assert fast.shape == exact.shape == (5, 32, 48, 3) and not torch.equal(fast, exact)
+    assert (fast - exact).abs().max() < 0.01
+    with pytest.raises(ValueError, match="vae_dtype: expected one of fp32, bf16, fp16, got 'fp8'"):
+        decode(vae_dtype="fp8")

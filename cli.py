@@ -374,7 +374,7 @@ def add_vae_dtype_arg(p: argparse.ArgumentParser):
         choices=["fp32", "bf16", "fp16"],
         default="fp32",
         help="VAE decoder precision: fp32 is exact (upstream's); bf16/fp16 decode with a channels-last copy "
-        "of the decoder, several times faster on a GPU, half the decode memory, not bit-exact",
+        "of the decoder, faster on a GPU, half the decode memory, not bit-exact",
     )
 
 

@@ -171,7 +171,7 @@ class LingBotVAEDecode:
                     {
                         "default": "fp32",
                         "tooltip": "fp32: the VAE as loaded, exact (upstream's decode). bf16/fp16: a channels-last copy "
-                        "of the decoder in that precision, several times faster on a GPU and half the decode memory, "
+                        "of the decoder in that precision, faster on a GPU and half the decode memory, "
                         "not bit-exact (fp16 is the closer of the two; bf16 needs an Ampere or newer GPU).",
                     },
                 ),

@@ -158,7 +158,8 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
     assert [t["frames"] for t in timings] == [13] + [16] * 6
     for t in timings:
         assert t["denoise_s"] > 0 and t["decode_s"] > 0 and 0 <= t["kv_cache_gib"] < 0.01
-        assert t["fps"] == pytest.approx(t["frames"] / (t["denoise_s"] + t["decode_s"]), rel=0.01)
+        # fps is rounded to 2 decimals: below 1 fps (a loaded CPU) that is more than 1 %
+        assert t["fps"] == pytest.approx(t["frames"] / (t["denoise_s"] + t["decode_s"]), rel=0.01, abs=0.006)
     steady = sum(t["denoise_s"] + t["decode_s"] for t in timings[1:])
     assert s["steady_chunk_s"] == pytest.approx(steady / 6, abs=1e-3)
     assert s["steady_fps"] == pytest.approx(96 / steady, rel=0.01)

@@ -162,10 +162,10 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
         assert t["fps"] == pytest.approx(t["frames"] / (t["denoise_s"] + t["decode_s"]), rel=0.01, abs=0.006)
     steady = sum(t["denoise_s"] + t["decode_s"] for t in timings[1:])
     assert s["steady_chunk_s"] == pytest.approx(steady / 6, abs=1e-3)
-    assert s["steady_fps"] == pytest.approx(96 / steady, rel=0.01)
+    assert s["steady_fps"] == pytest.approx(96 / steady, rel=0.01, abs=0.006)
     assert s["realtime"] == (s["steady_fps"] >= 16) and s["playback_fps"] == 16
     loop = phases[FAST_PHASES.index("chunks")]["seconds"]
-    assert steady < loop and s["loop_fps"] == pytest.approx(109 / loop, rel=0.01)
+    assert steady < loop and s["loop_fps"] == pytest.approx(109 / loop, rel=0.01, abs=0.006)
     # the prediction recorded is the CLI's: fast_memory for the run's settings gives the same figures
     files = resolve_fast_dir(s["ckpt_dir"], model, s["assets_dir"])
     config = fast_run.fast_config(None, 0, None, None, kv, CHUNKED_KINDS[model])

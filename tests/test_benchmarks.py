@@ -374,7 +374,7 @@ def test_bench_vae_chunk_mode(tmp_path):
     s = run_tiny("bench_vae.py", tmp_path, "--mode", "chunk")
     chunk, cases = s["chunk"], s["cases"]
     assert chunk["frames_per_chunk"] == 16 and chunk["chunks_timed"] == 1 and chunk["latent"] == [2, 4]
-    names = ["fp32", "bf16", "bf16_channels_last", "fp16", "fp16_channels_last"]
+    names = ["fp32", "bf16", "bf16_channels_last", "fp16", "fp16_channels_last", "fp16_channels_last_c4"]
     assert list(cases) == [f"chunk_{n}" for n in names]
     assert "psnr_db_vs_fp32" not in cases["chunk_fp32"]
     for n in names[1:]:

@@ -938,7 +938,7 @@ def run_plan_chunked(args, kind) -> int:
     print(
         f"memory plan: {kind.name} (NF4 weights, from its architecture), {made} at {h}*{w}: "
         f"{lat_f // chunk} chunks of {chunk} latent frames; attention window {window}, K/V {args.kv_dtype}, "
-        f"swap_blocks {swap}"
+        f"swap_blocks {swap}, VAE decoder {args.vae_dtype}"
     )
     print(f"{'phase':<13} {'peak VRAM':>10}")
     where = "CPU" if args.t5_cpu else "GPU"

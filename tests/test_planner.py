@@ -587,4 +587,5 @@ def test_plan_names_the_fast_decoder(demo_ckpt, capsys):
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip().endswith("would fit with --vae_dtype fp16")
     assert cli.main([*argv, "--vae_dtype", "fp16"]) == 0
-    assert "a chunk's work 3.6" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "VAE decoder fp16" in out and "a chunk's work 3.61 GiB" in out

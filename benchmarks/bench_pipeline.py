@@ -305,6 +305,7 @@ class FastProbe:
             "quantize": bool(self.settings["quantize"]),
             "swap_blocks": self.settings["swap"],
             "vae_tile": self.settings.get("tile"),
+            "vae_dtype": self.settings.get("vae_dtype", "fp32"),  # the chunk decoder's (--vae_dtype)
             "predicted": predicted,
             "measured": measured,
             "measured_over_predicted": {

@@ -21,12 +21,25 @@ compared with the untiled one (max / mean abs difference).
     python benchmarks/bench_vae.py --scale full --workdir /tmp/bench_vae           # CUDA, ~5 min H100
     python benchmarks/bench_vae.py --scale full --workdir /tmp/bench_vae --vae /models/Wan2.1_VAE.pth
 
+`--mode chunk` instead times the chunked decode of LingBot-World 2.0's loop at 464x832 (latent 58x104): a
+`ChunkDecoder` takes chunks of 4 latent frames, the first giving 13 frames, every later one 16; the 16-frame
+chunks are timed (median) after a warm-up stream. Variants: the exact fp32 decode (the default), the fast
+decoder in bf16 and fp16, each channels-last (the product's option) and not (to show the layout's share),
+and with --compile the fp16 channels-last decoder with each RMS norm + SiLU fused by torch.compile (a
+benchmark-only lever). Each variant decodes the same latents; its frames' PSNR against the fp32 decode's
+(peak-to-peak 2 for frames in [-1, 1]) is reported beside its time ratio. Later chunks are handed out latent
+frame by latent frame (`ChunkDecoder.stream`), so the time to a chunk's first 4 frames is reported too.
+Random weights cannot judge image quality: the PSNR shows the arithmetic's deviation, not what an eye sees.
+
+    python benchmarks/bench_vae.py --mode chunk --scale full --cudnn-benchmark --compile   # CUDA, ~2 min
+
 Prints one JSON line at the end.
 """
 
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -44,12 +57,24 @@ from lingbot_world.wan import vae as V  # noqa: E402
 
 GIB = 2**30
 SCALES = {
-    "full": dict(config=V.WAN21_VAE_CONFIG, frames=81, sizes={"480p": (480, 832), "720p": (720, 1280)}),
+    "full": dict(
+        config=V.WAN21_VAE_CONFIG,
+        frames=81,
+        sizes={"480p": (480, 832), "720p": (720, 1280)},
+        chunk_size=(464, 832),
+        chunks=6,
+    ),
     # CPU-sized: same structure, 4 channels wide, 9 frames, small frames
     "tiny": dict(
-        config=dict(V.WAN21_VAE_CONFIG, dim=4), frames=9, sizes={"480p": (48, 80), "720p": (64, 112)}
+        config=dict(V.WAN21_VAE_CONFIG, dim=4),
+        frames=9,
+        sizes={"480p": (48, 80), "720p": (64, 112)},
+        chunk_size=(16, 32),
+        chunks=2,
     ),
 }
+CHUNK_LATENT_FRAMES = 4  # LingBot-World 2.0: 13 frames for the first chunk, 16 for each after
+TARGET_RATIO, TARGET_PSNR_DB = 0.35, 40.0  # issue 21: <= 0.35x the fp32 decode's time, >= 40 dB against it
 CAP_BYTES = 24 * GIB
 
 
@@ -165,6 +190,99 @@ def bench_decode(vae, size, scale, overlap, device, record, baseline):
             torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device).index or 0)
 
 
+def fused_norm_silu():
+    """A patch for wan.vae._norm_silu: the RMS norm (normalise, sqrt(dim), gain) and SiLU as one compiled
+    kernel instead of four passes over the activation (benchmark only)."""
+    import torch.nn.functional as F
+
+    @torch.compile(dynamic=True)
+    def fused(x, gamma, scale: float):
+        return F.silu(F.normalize(x, dim=1) * scale * gamma)
+
+    return lambda norm: lambda x: fused(x, norm.gamma.to(x.dtype), norm.scale)
+
+
+def bench_chunks(vae, scale, device, record, compile_: bool) -> dict:
+    """The chunked decode per variant: time per 16-frame chunk, PSNR against fp32, peak VRAM."""
+    height, width = scale["chunk_size"]
+    h, w, n, chunks = height // 8, width // 8, CHUNK_LATENT_FRAMES, scale["chunks"]
+    z = torch.randn(16, n * chunks, h, w, generator=torch.Generator().manual_seed(2)).to(device)
+    variants = [  # (name, dtype, channels-last, frames per sub-chunk after a temporal upsample)
+        ("fp32", None, False, 2),
+        ("bf16", torch.bfloat16, False, 2),
+        ("bf16_channels_last", torch.bfloat16, True, 2),
+        ("fp16", torch.float16, False, 2),
+        ("fp16_channels_last", torch.float16, True, 2),
+        ("fp16_channels_last_c4", torch.float16, True, 4),  # upstream's 4 frames: larger convs, more memory
+    ]
+    if compile_:
+        variants.append(("fp16_channels_last_compiled", torch.float16, True, 2))
+    ref, fp32_s, rows = None, None, {}
+    plain_norm_silu = V._norm_silu
+    for name, dtype, channels_last, sub in variants:
+        if name.endswith("_compiled"):
+            V._norm_silu = fused_norm_silu()
+        try:
+            # warm-up: kernels, cuDNN's algorithm search, compile; a stream of two chunks
+            with vae.chunk_decoder(chunk_frames=sub, dtype=dtype, channels_last=channels_last) as dec:
+                for k in range(2):
+                    dec.decode(z[:, k * n : (k + 1) * n])
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            outs, times, first = [], [], []
+            with vae.chunk_decoder(chunk_frames=sub, dtype=dtype, channels_last=channels_last) as dec:
+                t0 = time.perf_counter()
+                outs.append(dec.decode(z[:, :n]))
+                sync(device)
+                first_chunk_s = time.perf_counter() - t0
+                for k in range(1, chunks):
+                    t0, pieces = time.perf_counter(), []
+                    for piece in dec.stream(z[:, k * n : (k + 1) * n]):
+                        pieces.append(piece)
+                        if len(pieces) == 1:
+                            sync(device)
+                            first.append(time.perf_counter() - t0)
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+                    outs.append(torch.cat(pieces, dim=1))
+            peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        finally:
+            V._norm_silu = plain_norm_silu
+        video = torch.cat(outs, dim=1)
+        chunk_s = statistics.median(times)
+        row = dict(
+            chunk_s=round(chunk_s, 4),
+            first_chunk_s=round(first_chunk_s, 4),
+            first_4_frames_s=round(statistics.median(first), 4),
+            fps=round(n * 4 / chunk_s, 1),
+            est_decode_gib=gib(vae.decode_bytes_per_latent_pixel(sub, dtype) * h * w),
+        )
+        if ref is None:
+            ref, fp32_s = video, chunk_s
+        else:
+            mse = (video - ref).square().mean().item()
+            row["psnr_db_vs_fp32"] = round(10 * math.log10(4 / mse), 2) if mse > 0 else math.inf
+            row["time_vs_fp32"] = round(chunk_s / fp32_s, 3)
+            row["meets_target"] = (
+                row["time_vs_fp32"] <= TARGET_RATIO and row["psnr_db_vs_fp32"] >= TARGET_PSNR_DB
+            )
+        record(f"chunk_{name}", chunk_s, peak, None, **row)
+        rows[name] = row
+        del video, outs
+    return {
+        "size": [height, width],
+        "latent": [h, w],
+        "latent_frames_per_chunk": n,
+        "frames_per_chunk": 4 * n,
+        "chunks_timed": chunks - 1,
+        "target": {"time_vs_fp32_max": TARGET_RATIO, "psnr_db_min": TARGET_PSNR_DB},
+        "weights_note": "random weights: PSNR measures arithmetic deviation, not image quality",
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", choices=sorted(SCALES), default="tiny")
@@ -178,6 +296,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="480p,720p", help="comma list of 480p,720p")
     ap.add_argument("--no-baseline", action="store_true", help="skip the untiled_c4 (upstream chunking) runs")
     ap.add_argument("--cudnn-benchmark", action="store_true")
+    ap.add_argument(
+        "--mode",
+        choices=["clip", "chunk"],
+        default="clip",
+        help="clip: whole-clip decode/encode, untiled vs tiled; chunk: the chunked decode, fp32 vs the fast decoder",
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="chunk mode: also the fp16 decoder with fused norms"
+    )
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -194,6 +321,7 @@ def main(argv=None) -> int:
         "load_s": round(load_s, 2),
         "weights_gib": gib(sum(p.numel() * p.element_size() for p in vae.parameters())),
         "cudnn_benchmark": args.cudnn_benchmark,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,  # the fp32 decode's convs on a GPU (torch's default)
         "overlap": overlap,
         "est_bytes_per_latent_px": vae.decode_bytes_per_latent_pixel(2),
         "cases": {},
@@ -217,6 +345,10 @@ def main(argv=None) -> int:
         summary["cases"][name] = row
         print(name, json.dumps(row), flush=True)
 
+    if args.mode == "chunk":
+        summary["chunk"] = bench_chunks(vae, scale, device, record, args.compile)
+        print(json.dumps(summary))
+        return 0
     for size in args.sizes.split(","):
         bench_decode(vae, size, scale, overlap, device, record, not args.no_baseline)
 

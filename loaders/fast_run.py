@@ -46,6 +46,9 @@ from .planner import (
 )
 
 KV_DTYPES = {"bf16": None, "fp8": torch.float8_e4m3fn}
+# the fast decoder a refusal suggests: fp16 keeps 3 more mantissa bits than bf16 (measured closer to the
+# exact decode), and every CUDA card has fp16 tensor cores
+FIT_VAE_DTYPE = "fp16"
 REAL_TIME_FPS = 16  # the video's frame rate: a chunk produced faster than this keeps up with playback
 DEFAULT_FRAMES = SampleConfig.frame_num
 
@@ -407,11 +410,13 @@ def fast_memory(
     quantize: bool | None,
     swap: int,
     tile=None,
+    vae_dtype: str = "fp32",
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
     encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept. `files`: a
-    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files)."""
+    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files).
+    vae_dtype: the chunk decoder's ('fp32' exact, 'bf16'/'fp16' the fast decoder)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -419,7 +424,7 @@ def fast_memory(
     tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(m.nbytes, cfg.num_layers, swap)
     fixed = tile if isinstance(tile, tuple) else None
-    decode = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True)
+    decode = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True, vae_dtype=vae_dtype)
     # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
     work = max(int(tokens * FAST_CHUNK_PER_TOKEN * scale), decode)
@@ -446,13 +451,18 @@ def fast_fit_issue(
     free_vram: int | None,
     tile=None,
     free_ram: int | None = None,
+    vae_dtype: str = "fp32",
 ) -> str | None:
     """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
-    with the predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block
-    swap)."""
+    with the predicted peak and the settings that would fit (the fast decoder, a window with a 3-frame
+    sink, fp8 K/V, block swap)."""
     gib = 1 << 30
     files = chunked_model(files, quantize)
-    need = fast_memory(files, lat_shape, config, quantize, swap, tile)
+
+    def peak(config=config, swap=swap, vae_dtype=vae_dtype):
+        return fast_memory(files, lat_shape, config, quantize, swap, tile, vae_dtype).peak
+
+    need = fast_memory(files, lat_shape, config, quantize, swap, tile, vae_dtype)
     frames = (lat_shape[0] - 1) * 4 + 1
     if free_ram is not None and need.ram > free_ram:
         return (
@@ -461,30 +471,40 @@ def fast_fit_issue(
         )
     if free_vram is None or need.peak <= free_vram:
         return None
-    options = []
-    for window in (21, 15, 12, 9, 6):
-        if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
-            continue
-        trial = replace(config, local_attn_size=window, sink_size=min(3, window - config.chunk_frames))
-        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
-            options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
-            break
-    if config.kv_dtype is None:
-        trial = replace(config, kv_dtype=torch.float8_e4m3fn)
-        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
-            options.append("--kv_dtype fp8")
-    layers = files.config.num_layers
-    if swap < layers and fast_memory(files, lat_shape, config, quantize, layers, tile).peak <= free_vram:
-        need_swap = next(
-            n
-            for n in range(swap, layers + 1)
-            if fast_memory(files, lat_shape, config, quantize, n, tile).peak <= free_vram
-        )
-        options.append(f"--swap_blocks {need_swap}")
+
+    def alternatives(vae_dtype: str) -> list:
+        options = []
+        for window in (21, 15, 12, 9, 6):
+            if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
+                continue
+            trial = replace(config, local_attn_size=window, sink_size=min(3, window - config.chunk_frames))
+            if peak(trial, vae_dtype=vae_dtype) <= free_vram:
+                options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
+                break
+        if config.kv_dtype is None:
+            if peak(replace(config, kv_dtype=torch.float8_e4m3fn), vae_dtype=vae_dtype) <= free_vram:
+                options.append("--kv_dtype fp8")
+        layers = files.config.num_layers
+        if swap < layers and peak(swap=layers, vae_dtype=vae_dtype) <= free_vram:
+            fitting = next(
+                n for n in range(swap, layers + 1) if peak(swap=n, vae_dtype=vae_dtype) <= free_vram
+            )
+            options.append(f"--swap_blocks {fitting}")
+        return options
+
+    options = alternatives(vae_dtype)
+    if (
+        vae_dtype == "fp32"
+    ):  # the fast decoder: a chunk's decode, not the model, is what a small model peaks at
+        if peak(vae_dtype=FIT_VAE_DTYPE) <= free_vram:
+            options.insert(0, f"--vae_dtype {FIT_VAE_DTYPE}")
+        elif not options:  # together with another setting
+            options = [f"--vae_dtype {FIT_VAE_DTYPE} {o}" for o in alternatives(FIT_VAE_DTYPE)]
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"
     return (
         f"predicted peak {need.peak / gib:.1f} GiB (model {need.model / gib:.1f}, attention caches "
-        f"{need.caches / gib:.1f}, chunk work {need.work / gib:.1f}, condition {need.condition / gib:.1f}; "
+        f"{need.caches / gib:.1f}, chunk work (forward or decode) {need.work / gib:.1f}, condition "
+        f"{need.condition / gib:.1f}; "
         f"first-frame encode of {frames} frames {need.encode / gib:.1f}) is more than the "
         f"{free_vram / gib:.1f} GiB free{hint}"
     )

@@ -26,7 +26,9 @@ two random NF4 A14B experts, text encoded in a child process):
   tensors that stay full length, plus one chunk's temporaries (see `lean_activation_vram`); 'auto' turns
   it on only when the normal forward would not fit, before any swap.
 - vae_decode: the VAE, the fp32 output video and a per-latent-pixel cost of the decoder's caches over
-  one tile (the whole frame when untiled).
+  one tile (the whole frame when untiled). The fast decoder (`vae_dtype` bf16/fp16) holds every cache and
+  activation at its dtype's size (the per-pixel cost scales with it, as `WanVAE.decode_bytes_per_latent_pixel`
+  does) and adds its copy of the decoder's weights.
 
 `MemoryPlan.check` compares the peaks with the free memory and, when something does not fit, raises a
 `MemoryPlanError` naming the phase and the settings that would fit, found with the same model.
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from ..wan import i2v
 from ..wan.config import DiTConfig
 from ..wan.dit import FFN_CHUNK, LEAN_CHUNK, ROPE_CHUNK
-from ..wan.vae import DEFAULT_OVERLAP, check_tile, pick_tile, tile_spans
+from ..wan.vae import DECODE_DTYPES, DEFAULT_OVERLAP, check_tile, pick_tile, tile_spans
 from .request import RequestError
 
 GIB = 1 << 30
@@ -112,6 +114,7 @@ class MemoryRequest:
     lora_bytes: {'high': int, 'low': int} LoRA file bytes applied to each expert.
     swap_blocks: DiT blocks kept in pinned host RAM instead of VRAM (int, or 'auto': the fewest that fit).
     vae_tile: None (whole frame), 'auto' (from free VRAM) or (tile_h, tile_w) latent pixels.
+    vae_dtype: the decoder's dtype by name ('fp32' exact; 'bf16'/'fp16' the fast decoder).
     t5_mode / t5_device: 'subprocess' or 'inprocess'; 'cpu' or 'cuda'.
     """
 
@@ -128,8 +131,13 @@ class MemoryRequest:
     # or 'auto': only when both fit the card together (subprocess mode, one rank, nothing swapped)
     t5_overlap: bool | str = False
     ulysses_size: int = 1  # ranks splitting each forward's tokens (sequence parallel); figures are per rank
+    vae_dtype: str = "fp32"
 
     def __post_init__(self):
+        if self.vae_dtype not in DECODE_DTYPES:
+            raise RequestError(
+                "vae_dtype", f"expected one of {', '.join(DECODE_DTYPES)}, got {self.vae_dtype!r}"
+            )
         if self.vae_tile is not None and self.vae_tile != "auto":
             try:
                 check_tile(self.vae_tile, DEFAULT_OVERLAP)
@@ -274,26 +282,52 @@ def encode_vram(frame_num: int, lat_f: int, lat_h: int, lat_w: int, tile) -> int
     return int(VAE_BASE + video + ENCODE_PER_PIXEL * area * 64 + accum)
 
 
-def decode_vram(lat_f: int, lat_h: int, lat_w: int, tile, chunked: bool = False) -> int:
+@functools.cache
+def decoder_params() -> int:
+    """Parameters of the Wan2.1 VAE's decoder (what the fast decoder copies), from its structure alone."""
+    import torch
+
+    from ..wan.vae import WanVAE
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in WanVAE().decoder.parameters())
+
+
+def decode_per_latent_pixel(vae_dtype: str = "fp32") -> int:
+    """The fitted fp32 per-latent-pixel decode cost, scaled to the decoder's dtype (every cache and
+    activation the analytic count holds is in it)."""
+    return DECODE_PER_LATENT_PIXEL * DECODE_DTYPES[vae_dtype].itemsize // 4
+
+
+def decode_vram(
+    lat_f: int, lat_h: int, lat_w: int, tile, chunked: bool = False, vae_dtype: str = "fp32"
+) -> int:
     """Peak VRAM of a decode with `tile` (None: whole frame). One decode frees each tile's causal caches
     when the tile is done; `chunked` (a latent handed over piece by piece, as LingBot-World-Fast does)
-    keeps every tile's caches for the next piece."""
+    keeps every tile's caches for the next piece. vae_dtype: 'fp32' (exact), or the fast decoder's
+    ('bf16'/'fp16': its caches and activations at that size, plus its copy of the decoder's weights)."""
     area = lat_h * lat_w if tile is None else min(tile[0], lat_h) * min(tile[1], lat_w)
     video = 3 * (FRAME_STEP * (lat_f - 1) + 1) * lat_h * lat_w * 64 * 4
     weights = 0 if tile is None else lat_h * lat_w * 64 * 4  # the blend weight sum
+    per_pixel = decode_per_latent_pixel(vae_dtype)
     others = 0
     if chunked and tile is not None:
-        others = (tile_count(lat_h, lat_w, tile) - 1) * area * DECODE_CACHE_PER_LATENT_PIXEL
-    return DECODE_BASE + video + weights + area * DECODE_PER_LATENT_PIXEL + others
+        others = (
+            (tile_count(lat_h, lat_w, tile) - 1)
+            * area
+            * (DECODE_CACHE_PER_LATENT_PIXEL * per_pixel // DECODE_PER_LATENT_PIXEL)
+        )
+    copy = 0 if vae_dtype == "fp32" else decoder_params() * DECODE_DTYPES[vae_dtype].itemsize
+    return DECODE_BASE + video + weights + area * per_pixel + others + copy
 
 
-def auto_tile(lat_f: int, lat_h: int, lat_w: int, budget: int | None):
+def auto_tile(lat_f: int, lat_h: int, lat_w: int, budget: int | None, vae_dtype: str = "fp32"):
     """The decode tile 'auto' would use for `budget` bytes: None (whole frame) when it fits or no budget
     is known, else the largest square-ish tile that fits (at least DECODE_MIN_TILE a side)."""
-    if budget is None or decode_vram(lat_f, lat_h, lat_w, None) <= budget:
+    if budget is None or decode_vram(lat_f, lat_h, lat_w, None, vae_dtype=vae_dtype) <= budget:
         return None
-    fixed = decode_vram(lat_f, lat_h, lat_w, (0, 0))
-    area = max(budget - fixed, 0) / DECODE_PER_LATENT_PIXEL
+    fixed = decode_vram(lat_f, lat_h, lat_w, (0, 0), vae_dtype=vae_dtype)
+    area = max(budget - fixed, 0) / decode_per_latent_pixel(vae_dtype)
     side = max(int(math.sqrt(area)), DECODE_MIN_TILE)
     th, tw = min(side, lat_h), min(side, lat_w)
     if th < side:  # a short frame: widen the tile instead
@@ -474,10 +508,13 @@ class Planner:
 
         tile = r.vae_tile
         if tile == "auto":  # the tile the run decodes with (the CLI passes it on), with the same headroom
-            tile = auto_tile(lat_f, lat_h, lat_w, auto_budget)
+            tile = auto_tile(lat_f, lat_h, lat_w, auto_budget, r.vae_dtype)
         dec_ram = PROCESS_RAM + 3 * self.frame_num * pixels  # the uint8 video for the MP4
         decode = Phase(
-            "vae_decode", decode_vram(lat_f, lat_h, lat_w, tile), dec_ram, f"tile {_tile_text(tile)}"
+            "vae_decode",
+            decode_vram(lat_f, lat_h, lat_w, tile, vae_dtype=r.vae_dtype),
+            dec_ram,
+            f"tile {_tile_text(tile)}" + ("" if r.vae_dtype == "fp32" else f", {r.vae_dtype} decoder"),
         )
         phases = (text, encode, *denoise, decode)
         if ranks > 1:  # every rank is a process of its own on this host: RAM is the host's total (the

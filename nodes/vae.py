@@ -11,7 +11,15 @@ import folder_paths
 import torch
 
 from ..loaders.vae import load_vae
-from ..wan.vae import SPATIAL_STRIDE, TEMPORAL_STRIDE, WanVAE, normalize_latent, to_comfy_latent
+from ..wan.vae import (
+    DECODE_DTYPES,
+    SPATIAL_STRIDE,
+    TEMPORAL_STRIDE,
+    WanVAE,
+    decode_dtype,
+    normalize_latent,
+    to_comfy_latent,
+)
 from . import memory
 from .models import CATEGORY, resolve_model
 
@@ -36,13 +44,17 @@ class VAEHandle:
     def to_comfy_latent(self, latent: torch.Tensor) -> torch.Tensor:
         return self.model.to_comfy_latent(latent)
 
-    def decode(self, latent: torch.Tensor, tile) -> torch.Tensor:
-        """Normalised [16, T, h, w] -> video [3, F, H, W] in [-1, 1] on the intermediate device."""
+    def decode(self, latent: torch.Tensor, tile, vae_dtype: str = "fp32") -> torch.Tensor:
+        """Normalised [16, T, h, w] -> video [3, F, H, W] in [-1, 1] on the intermediate device. vae_dtype:
+        'fp32' decodes with the VAE as loaded (exact), 'bf16'/'fp16' with the fast decoder."""
+        dtype = decode_dtype(vae_dtype, self.device)
         z_t, h, w = latent.shape[1:]
         out = 3 * (TEMPORAL_STRIDE * (z_t - 1) + 1) * h * w * SPATIAL_STRIDE**2 * 4
-        work = self.model.decode_bytes_per_latent_pixel() * h * w + out  # whole-frame decode
+        work = self.model.decode_bytes_per_latent_pixel(2, dtype) * h * w + out  # whole-frame decode
+        if dtype is not None:  # the fast decoder's copy of the weights
+            work += sum(p.numel() for p in self.model.decoder.parameters()) * dtype.itemsize
         with memory.on_device(self.model, self.device, work):
-            return self.model.decode(latent, tile=tile, out_device=memory.intermediate_device())
+            return self.model.decode(latent, tile=tile, out_device=memory.intermediate_device(), dtype=dtype)
 
 
 class CoreVAE:
@@ -152,18 +164,31 @@ class LingBotVAEDecode:
                     },
                 ),
             },
+            # optional, so saved workflows and API prompts from before it keep loading (default exact)
+            "optional": {
+                "vae_dtype": (
+                    list(DECODE_DTYPES),
+                    {
+                        "default": "fp32",
+                        "tooltip": "fp32: the VAE as loaded, exact (upstream's decode). bf16/fp16: a channels-last copy "
+                        "of the decoder in that precision, faster on a GPU and half the decode memory, "
+                        "not bit-exact (fp16 is the closer of the two; bf16 needs an Ampere or newer GPU).",
+                    },
+                ),
+            },
         }
 
-    def decode(self, vae, samples, tiling, tile_height, tile_width):
+    def decode(self, vae, samples, tiling, tile_height, tile_width, vae_dtype="fp32"):
         latents = samples["samples"]
         if latents.dim() != 5:
             raise ValueError(
                 f"samples: expected a video latent [B, 16, T, h, w], got shape {list(latents.shape)}"
             )
         tile = {"auto": "auto", "none": None}.get(tiling, (tile_height, tile_width))
+        decode_dtype(vae_dtype, vae.device)  # refused before anything is decoded
         frames = []
         for latent in latents:
-            video = vae.decode(vae.model.from_comfy_latent(latent), tile)
+            video = vae.decode(vae.model.from_comfy_latent(latent), tile, vae_dtype)
             frames.append(((video + 1) / 2).permute(1, 2, 3, 0))
             del video
         return (torch.cat(frames).to(memory.intermediate_device()),)

@@ -137,16 +137,18 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
     from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
     from lingbot_world.wan.config import CHUNKED_KINDS
 
-    extra, env, kv = ["--command", "fast", "--model", model], {}, "bf16"
+    extra, env, kv, decoder = ["--command", "fast", "--model", model], {}, "bf16", "fp32"
     if model == "v2-14b":
         extra, kv = [*extra, "--extra", "--kv_dtype fp8"], "fp8"
+    else:  # the fast decoder, as the 8 GiB run of the 1.3B takes it
+        extra, decoder = [*extra, "--extra", "--vae_dtype fp16"], "fp16"
     if not pyav:
         (tmp_path / "nopyav").mkdir()
         (tmp_path / "nopyav" / "av.py").write_text("raise ImportError('no PyAV here')\n")
         env["PYTHONPATH"] = str(tmp_path / "nopyav")
     s = run_tiny("bench_pipeline.py", tmp_path, *extra, env=env)
     assert s["rc"] == 0 and s["error"] is None and s["device"] == "cpu"
-    assert (s["command"], s["model"], s["kv_dtype"]) == ("fast", model, kv)
+    assert (s["command"], s["model"], s["kv_dtype"], s["vae_dtype"]) == ("fast", model, kv, decoder)
     phases = s["phases"]
     assert [p["phase"] for p in phases] == FAST_PHASES
     # 109 frames at 64*112 -> 28 latent frames of 6x14: 7 chunks of 4 (13 frames, then 16), window 18 / sink 6
@@ -158,17 +160,18 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
     assert [t["frames"] for t in timings] == [13] + [16] * 6
     for t in timings:
         assert t["denoise_s"] > 0 and t["decode_s"] > 0 and 0 <= t["kv_cache_gib"] < 0.01
-        assert t["fps"] == pytest.approx(t["frames"] / (t["denoise_s"] + t["decode_s"]), rel=0.01)
+        # fps is rounded to 2 decimals: below 1 fps (a loaded CPU) that is more than 1 %
+        assert t["fps"] == pytest.approx(t["frames"] / (t["denoise_s"] + t["decode_s"]), rel=0.01, abs=0.006)
     steady = sum(t["denoise_s"] + t["decode_s"] for t in timings[1:])
     assert s["steady_chunk_s"] == pytest.approx(steady / 6, abs=1e-3)
-    assert s["steady_fps"] == pytest.approx(96 / steady, rel=0.01)
+    assert s["steady_fps"] == pytest.approx(96 / steady, rel=0.01, abs=0.006)
     assert s["realtime"] == (s["steady_fps"] >= 16) and s["playback_fps"] == 16
     loop = phases[FAST_PHASES.index("chunks")]["seconds"]
-    assert steady < loop and s["loop_fps"] == pytest.approx(109 / loop, rel=0.01)
+    assert steady < loop and s["loop_fps"] == pytest.approx(109 / loop, rel=0.01, abs=0.006)
     # the prediction recorded is the CLI's: fast_memory for the run's settings gives the same figures
     files = resolve_fast_dir(s["ckpt_dir"], model, s["assets_dir"])
     config = fast_run.fast_config(None, 0, None, None, kv, CHUNKED_KINDS[model])
-    need = fast_run.fast_memory(files, (28, 6, 14), config, None, 0, "auto")
+    need = fast_run.fast_memory(files, (28, 6, 14), config, None, 0, "auto", decoder)
     assert s["predicted"] == {f"{k}_gib": round(getattr(need, k) / 2**30, 3) for k in PREDICTED}
     assert need.peak == max(need.loop, need.encode) > need.caches > 0
     # CPU: no VRAM measured and no fit check (the CLI checks on CUDA); host RAM beside its prediction
@@ -436,3 +439,24 @@ def test_bench_fp8(tmp_path):
         ran = {k: v for k, v in attn[shape].items() if isinstance(v, dict) and "ms" in v}
         assert "sdpa_auto" in ran and attn[shape]["fastest"] in ran
         assert all(r["rel_l2"] < 0.01 for r in ran.values())  # bf16 kernels against the fp32 reference
+
+
+def test_bench_vae_chunk_mode(tmp_path):
+    """The chunked decode, fp32 against the fast decoder: every variant decodes the same latents (the fast
+    ones close to fp32, fp16 closer than bf16) and the target is judged from the figures."""
+    s = run_tiny("bench_vae.py", tmp_path, "--mode", "chunk")
+    chunk, cases = s["chunk"], s["cases"]
+    assert chunk["frames_per_chunk"] == 16 and chunk["chunks_timed"] == 1 and chunk["latent"] == [2, 4]
+    names = ["fp32", "bf16", "bf16_channels_last", "fp16", "fp16_channels_last", "fp16_channels_last_c4"]
+    assert list(cases) == [f"chunk_{n}" for n in names]
+    assert "psnr_db_vs_fp32" not in cases["chunk_fp32"]
+    for n in names[1:]:
+        row = cases[f"chunk_{n}"]
+        assert row["chunk_s"] > 0 and row["first_4_frames_s"] <= row["chunk_s"]
+        assert 35 < row["psnr_db_vs_fp32"] < math.inf
+        assert row["meets_target"] == (row["time_vs_fp32"] <= 0.35 and row["psnr_db_vs_fp32"] >= 40)
+    assert cases["chunk_fp16"]["psnr_db_vs_fp32"] > cases["chunk_bf16"]["psnr_db_vs_fp32"]
+    # channels-last changes the layout, not the arithmetic's precision
+    assert (
+        abs(cases["chunk_bf16_channels_last"]["psnr_db_vs_fp32"] - cases["chunk_bf16"]["psnr_db_vs_fp32"]) < 3
+    )

@@ -294,3 +294,61 @@ def test_memory_check_names_what_would_fit(fast_ckpt):
     message = issue(full.peak - 1)
     assert "predicted peak" in message and "--local_attn_size" in message and "--kv_dtype fp8" in message
     assert issue(1).endswith("fewer frames or a smaller --size")
+
+
+def test_fast_vae_dtype_decodes_with_the_fast_decoder(fast_ckpt, shipped_example, tmp_path, offline):
+    """--vae_dtype bf16 changes only the decode: the same latent, frames close to the exact decode's, not
+    equal; fp32 (the default) is the exact decode."""
+    runs = {}
+    for dtype in ("fp32", "bf16"):
+        out, saved, frames_dir = tmp_path / f"{dtype}.mp4", tmp_path / f"{dtype}.latent", tmp_path / dtype
+        extra = ["--frame_num", "9", "--save_latent", str(saved), "--frames_dir", str(frames_dir)]
+        assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--vae_dtype", dtype, *extra)) == 0
+        frames = [np.asarray(Image.open(p), dtype=np.int16) for p in sorted(frames_dir.glob("frame_*.png"))]
+        runs[dtype] = load_file(str(saved))["latent_tensor"], np.stack(frames)
+    (latent, exact), (fast_latent, fast) = runs["fp32"], runs["bf16"]
+    assert torch.equal(fast_latent, latent) and exact.shape == fast.shape == (9, 48, 112, 3)
+    diff = np.abs(fast - exact)
+    assert diff.max() > 0 and diff.mean() < 2  # uint8 levels
+
+
+def test_fast_vae_dtype_refusals(fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o.mp4"
+    with pytest.raises(SystemExit) as err:
+        cli.main(fast_args(fast_ckpt, shipped_example, out, "--vae_dtype", "fp8"))
+    assert err.value.code == 2 and "--vae_dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+    # a card without bf16 is refused before anything loads, naming the flag and the fallback
+    from lingbot_world.wan import vae as V
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ValueError, match=r"vae_dtype: Tesla T4 has no bf16 .*use fp16"):
+        V.decode_dtype("bf16", "cuda")
+    assert V.decode_dtype("fp16", "cuda") == torch.float16 and V.decode_dtype("fp32", "cuda") is None
+    assert V.decode_dtype("bf16", "cpu") == torch.bfloat16  # runs on the CPU (slowly)
+    monkeypatch.setattr(cli, "resolve_device", lambda text: torch.device("cuda"))
+    monkeypatch.setattr(cli, "load_vae", lambda *a, **k: pytest.fail("loaded the VAE"))
+    assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--vae_dtype", "bf16")) == 2
+    assert "error: --vae_dtype: Tesla T4 has no bf16" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_vae_decode_node_fast_decoder(fast_ckpt, tmp_path, fake_comfy):
+    """LingBot VAE Decode's optional vae_dtype: left out or fp32 is the exact decode; fp16 decodes close to
+    it with the fast decoder; a bad value is refused naming the input."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    assert nodes.LingBotVAEDecode.INPUT_TYPES()["optional"]["vae_dtype"][0] == ["fp32", "bf16", "fp16"]
+    (vae,) = nodes.LingBotVAELoader().load("Wan2.1_VAE.pth", "fp32")
+    samples = {
+        "samples": vae.model.to_comfy_latent(
+            torch.randn(16, 2, 4, 6, generator=torch.Generator().manual_seed(3))
+        )
+    }
+    decode = functools.partial(nodes.LingBotVAEDecode().decode, vae, samples, "none", 64, 64)
+    (exact,) = decode()
+    assert torch.equal(decode(vae_dtype="fp32")[0], exact)
+    (fast,) = decode(vae_dtype="fp16")
+    assert fast.shape == exact.shape == (5, 32, 48, 3) and not torch.equal(fast, exact)
+    assert (fast - exact).abs().max() < 0.01
+    with pytest.raises(ValueError, match="vae_dtype: expected one of fp32, bf16, fp16, got 'fp8'"):
+        decode(vae_dtype="fp8")

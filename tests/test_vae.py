@@ -366,3 +366,82 @@ def test_chunk_decoder_bad_input(tiny):
         tiny.chunk_decoder(tile=(4,))
     with pytest.raises(ValueError, match="chunk_frames must be"):
         tiny.chunk_decoder(chunk_frames=0)
+
+
+# --- the fast decoder (bf16/fp16 channels-last copy) and per-latent-frame streaming -------------------
+
+
+def _psnr(x, ref):
+    """PSNR in dB of frames in [-1, 1] (peak-to-peak 2)."""
+    return (10 * torch.log10(4 / ((x - ref) ** 2).mean())).item()
+
+
+def test_exact_decode_is_the_default(tiny):
+    """No dtype (or the VAE's own without channels-last) decodes with the VAE's own decoder, no copy."""
+    z = torch.randn(16, 3, 5, 6, generator=_gen(21))
+    ref = tiny.decode(z)
+    with tiny.chunk_decoder() as dec:
+        assert dec.decoder is tiny.decoder and dec.dtype == torch.float32
+    with tiny.chunk_decoder(dtype=torch.float32, channels_last=False) as dec:
+        assert dec.decoder is tiny.decoder
+        assert torch.equal(dec.decode(z), ref)
+    assert torch.equal(tiny.decode(z, dtype=None), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_decoder_close_to_exact(tiny, dtype):
+    z = torch.randn(16, 3, 5, 6, generator=_gen(22))
+    ref = tiny.decode(z)
+    before = {k: v.clone() for k, v in tiny.decoder.state_dict().items()}
+    with tiny.chunk_decoder(dtype=dtype) as dec:
+        copy = dec.decoder
+        assert copy is not tiny.decoder and dec.dtype == dtype
+        conv = copy.upsamples[0].residual[2].weight
+        assert conv.dtype == dtype and conv.is_contiguous(memory_format=torch.channels_last_3d)
+        out = dec.decode(z)
+    assert dec.decoder is None  # closing frees the copy
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert not torch.equal(out, ref)  # really another precision
+    assert _psnr(out, ref) > 35  # ~48 dB (bf16), ~66 dB (fp16) measured on these random weights
+    assert all(torch.equal(v, before[k]) for k, v in tiny.decoder.state_dict().items())  # VAE untouched
+    # channels-last or not, the same math: only the memory layout differs
+    plain = tiny.decode(z, dtype=dtype)
+    with tiny.chunk_decoder(dtype=dtype, channels_last=False) as dec:
+        assert dec.decoder.upsamples[0].residual[2].weight.is_contiguous()
+        torch.testing.assert_close(dec.decode(z), plain, atol=2e-2, rtol=0)
+
+
+def test_fast_decoder_bad_dtype(tiny):
+    with pytest.raises(ValueError, match="decode dtype"):
+        tiny.chunk_decoder(dtype=torch.int8)
+
+
+def test_decode_bytes_scale_with_dtype():
+    with torch.device("meta"):
+        full = V.WanVAE()
+    fp32 = full.decode_bytes_per_latent_pixel(2)
+    assert full.decode_bytes_per_latent_pixel(2, torch.bfloat16) * 2 == fp32
+    assert full.decode_bytes_per_latent_pixel(2, torch.float16) * 2 == fp32
+    # 'auto' tiles for the fast decoder's smaller figure: a budget the fp32 decode needs tiles for fits whole
+    budget = int(60 * 104 * fp32 * V.AUTO_SAFETY * 0.6)
+    assert V.pick_tile(full, 60, 104, budget) is not None
+    bpp = full.decode_bytes_per_latent_pixel(2, torch.bfloat16)
+    assert V.pick_tile(full, 60, 104, budget, bytes_per_pixel=bpp) is None
+
+
+@pytest.mark.parametrize(("tile", "dtype"), [(None, None), ((5, 6), None), ((5, 6), torch.bfloat16)])
+def test_stream_equals_decode(tiny, tile, dtype):
+    """Frames handed out per latent frame, concatenated, are the chunked decode's bit for bit (tiles and
+    the fast decoder included), and the two can be mixed within one stream."""
+    z = torch.randn(16, 7, 7, 9, generator=_gen(23))
+    with tiny.chunk_decoder(tile, overlap=3, dtype=dtype) as dec:
+        whole = torch.cat([dec.decode(z[:, :3]), dec.decode(z[:, 3:])], dim=1)
+    with tiny.chunk_decoder(tile, overlap=3, dtype=dtype) as dec:
+        pieces = list(dec.stream(z[:, :3]))
+        assert [p.shape[1] for p in pieces] == [1, 4, 4]
+        pieces += list(dec.stream(z[:, 3:5]))
+        pieces.append(dec.decode(z[:, 5:]))
+        assert (dec.latent_frames, dec.frames) == (7, 25)
+    assert torch.equal(torch.cat(pieces, dim=1), whole)
+    if dtype is None:
+        assert torch.equal(whole, tiny.decode(z, tile=tile, overlap=3))

@@ -14,6 +14,10 @@ frame, norm/SiLU/residual adds work in place, after a temporal upsample the deco
 sub-chunks of `chunk_frames` frames (the cache makes that exact), and decoded chunks are written
 into one preallocated output instead of repeated concatenation. Decode can also run in spatial
 tiles, each streamed through all frames with its own cache and blended linearly in the overlaps.
+
+A faster, lossy decode is an option (`decode_dtype`): a copy of the decoder in bf16 or fp16 with its conv
+weights channels-last (NDHWC, what tensor-core conv kernels read), beside the exact path in the VAE's own
+dtype, which stays the default.
 """
 
 import math
@@ -79,6 +83,9 @@ TEMPORAL_STRIDE = 4
 DEFAULT_OVERLAP = 16  # latent pixels (128 output pixels) shared by neighbouring decode tiles, ~the decoder's receptive radius
 AUTO_SAFETY = 1.25  # headroom over the analytic peak for conv workspaces and allocator fragmentation
 
+# Decode dtypes by the name the front ends take; "fp32" is the exact path (upstream's).
+DECODE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 Cache = dict  # module -> its streamed state (last input frames); one dict per encode/decode stream
 
 
@@ -103,7 +110,8 @@ class CausalConv3d(nn.Conv3d):
             parts = [x] if prev is None else [prev, x]
             missing = self.time_pad - (0 if prev is None else prev.shape[2])
             if missing > 0:
-                parts.insert(0, x.new_zeros(*x.shape[:2], missing, *x.shape[3:]))
+                zeros = x.new_zeros(*x.shape[:2], missing, *x.shape[3:])
+                parts.insert(0, zeros.contiguous(memory_format=_format(x)))
             x = torch.cat(parts, dim=2)
             del parts, prev
             if cache is not None:
@@ -129,13 +137,28 @@ def _norm_silu(norm: RMS_norm):
     return lambda x: F.silu(norm(x), inplace=True)
 
 
+def _format(x: torch.Tensor) -> torch.memory_format:
+    """channels_last_3d for a 5-D tensor laid out NDHWC (the fast decoder's), else contiguous."""
+    cl = x.dim() == 5 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
+    return torch.channels_last_3d if cl else torch.contiguous_format
+
+
 def _per_frame(fn, x: torch.Tensor) -> torch.Tensor:
     """Apply a 2D op to every frame of [b, c, t, h, w] without materialising all frames' temporaries."""
     out = None
     for i in range(x.shape[2]):
         y = fn(x[:, :, i])
         if out is None:
-            out = y.new_empty(y.shape[0], y.shape[1], x.shape[2], *y.shape[2:])
+            cl = not y.is_contiguous() and y.is_contiguous(memory_format=torch.channels_last)
+            out = torch.empty(
+                y.shape[0],
+                y.shape[1],
+                x.shape[2],
+                *y.shape[2:],
+                dtype=y.dtype,
+                device=y.device,
+                memory_format=torch.channels_last_3d if cl else torch.contiguous_format,
+            )
         out[:, :, i] = y
         del y
     return out
@@ -163,8 +186,9 @@ class Resample(nn.Module):
     def _spatial(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.resample[1]
         if self.mode.startswith("upsample"):
-            # nearest upsampling in fp32 as upstream does ("bfloat16 support" fix), then back
-            return conv(F.interpolate(x.float(), scale_factor=(2.0, 2.0), mode="nearest-exact").type_as(x))
+            # nearest upsampling copies values, so it runs in the tensor's own dtype (upstream's round trip
+            # through fp32, its "bfloat16 support" fix, gives the same values)
+            return conv(F.interpolate(x, scale_factor=(2.0, 2.0), mode="nearest-exact"))
         return conv(F.pad(x, (0, 1, 0, 1)))
 
     def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
@@ -362,9 +386,15 @@ class WanVAE(nn.Module):
         self.encoder = Encoder3d(dim, z_dim * 2, dim_mult, num_res_blocks, attn_scales, temperal_downsample)
         self.conv1 = CausalConv3d(z_dim * 2, z_dim * 2, 1)
         self.conv2 = CausalConv3d(z_dim, z_dim, 1)
-        self.decoder = Decoder3d(
-            dim, z_dim, dim_mult, num_res_blocks, attn_scales, tuple(temperal_downsample)[::-1]
+        self._decoder_args = (
+            dim,
+            z_dim,
+            dim_mult,
+            num_res_blocks,
+            attn_scales,
+            tuple(temperal_downsample)[::-1],
         )
+        self.decoder = Decoder3d(*self._decoder_args)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -373,6 +403,23 @@ class WanVAE(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.conv1.weight.device
+
+    def decoder_in(self, dtype: torch.dtype, channels_last: bool = True) -> Decoder3d:
+        """A copy of the decoder in `dtype` on the VAE's device (its conv weights channels-last if asked), for
+        the fast, lossy decode; the VAE keeps its own. Built on the meta device and given the cast weights,
+        so no second full-precision copy is made."""
+        with torch.device("meta"):
+            decoder = Decoder3d(*self._decoder_args)
+        state = {}
+        for k, v in self.decoder.state_dict().items():
+            v = v.to(dtype)
+            if channels_last and v.dim() in (4, 5) and k.endswith("weight"):
+                v = v.contiguous(
+                    memory_format=torch.channels_last if v.dim() == 4 else torch.channels_last_3d
+                )
+            state[k] = v
+        decoder.load_state_dict(state, strict=True, assign=True)
+        return decoder.eval().requires_grad_(False)
 
     def latent_stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel (mean, std), float32 [z, 1, 1, 1] on `device`: normalised latent = (mu - mean) / std."""
@@ -464,32 +511,40 @@ class WanVAE(nn.Module):
         overlap: int = DEFAULT_OVERLAP,
         chunk_frames: int = 2,
         out_device=None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Normalised latent [z, T, h, w] -> video [3, 4(T-1)+1, 8h, 8w] fp32 clamped to [-1, 1].
 
         tile: None (whole frame), 'auto' (from free VRAM; whole frame on CPU) or (tile_h, tile_w) in
         latent pixels; neighbouring tiles share `overlap` latent pixels, blended linearly. Each tile
         streams through all frames with its own cache. out_device: where the video is assembled
-        (default: the model's device).
+        (default: the model's device). dtype: the fast decoder's (see `ChunkDecoder`); None: exact.
         """
-        with self.chunk_decoder(tile, overlap, chunk_frames, out_device) as decoder:
+        with self.chunk_decoder(tile, overlap, chunk_frames, out_device, dtype) as decoder:
             return decoder.decode(latent, last=True)
 
     def chunk_decoder(
-        self, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2, out_device=None
+        self,
+        tile=None,
+        overlap: int = DEFAULT_OVERLAP,
+        chunk_frames: int = 2,
+        out_device=None,
+        dtype: torch.dtype | None = None,
+        channels_last: bool = True,
     ) -> "ChunkDecoder":
         """A `ChunkDecoder`: decodes a latent handed over in consecutive pieces of latent frames (the
         causal caches carried between them), the concatenated output equal to one `decode`."""
-        return ChunkDecoder(self, tile, overlap, chunk_frames, out_device)
+        return ChunkDecoder(self, tile, overlap, chunk_frames, out_device, dtype, channels_last)
 
-    def decode_bytes_per_latent_pixel(self, chunk_frames: int = 2) -> int:
+    def decode_bytes_per_latent_pixel(self, chunk_frames: int = 2, dtype: torch.dtype | None = None) -> int:
         """Analytic peak decode memory per latent pixel of a tile (model dtype, output buffer excluded).
 
         All terms scale with the tile area: every cached causal conv keeps CACHE_T input frames at
         its resolution for the whole stream; the widest conv holds its input (c frames), the
         cache-padded input (c + 2), its output (c) and the new cache (2); and each temporal upsample
         whose output is split into sub-chunks stays alive while they run (c = chunk_frames).
-        Full Wan2.1 config, c = 2: 151,328 cache + 61,440 activation elements (~0.85 MB fp32).
+        Full Wan2.1 config, c = 2: 151,328 cache + 61,440 activation elements (~0.85 MB fp32). dtype: the
+        decoder's (the fast decoder's; default the model's): every term scales with its size.
         """
         dec = self.decoder
         cache_elems = held = peak = 0
@@ -507,7 +562,7 @@ class WanVAE(nn.Module):
                         held += frames * block.resample[1].out_channels * area
                         frames = chunk_frames
         act_elems = (3 * min(chunk_frames, frames) + CACHE_T) * peak + held
-        return (cache_elems + act_elems) * self.dtype.itemsize
+        return (cache_elems + act_elems) * (dtype or self.dtype).itemsize
 
 
 class ChunkDecoder:
@@ -518,18 +573,38 @@ class ChunkDecoder:
     of 3 give 9, 12, 12, ... frames. Every tile keeps its causal-conv cache between calls, so the
     concatenated output equals `WanVAE.decode` of the whole latent with the same tile settings,
     bit for bit. The tile grid ('auto' included) is fixed by the first call and every later call
-    must have the same h, w. `close()` (or leaving a `with` block) frees the caches.
+    must have the same h, w. `close()` (or leaving a `with` block) frees the caches. `stream` hands the
+    same frames out latent frame by latent frame (1 frame, then 4 each), as soon as each is decoded.
+
+    dtype: None decodes with the VAE's own decoder (exact); another dtype (bf16, fp16) with a copy of
+    the decoder in it, channels-last unless `channels_last` is False (faster on tensor cores, lossy).
+    The latent's de-normalisation and `conv2` run in the VAE's dtype either way; frames come out fp32.
     """
 
     def __init__(
-        self, vae: WanVAE, tile=None, overlap: int = DEFAULT_OVERLAP, chunk_frames: int = 2, out_device=None
+        self,
+        vae: WanVAE,
+        tile=None,
+        overlap: int = DEFAULT_OVERLAP,
+        chunk_frames: int = 2,
+        out_device=None,
+        dtype: torch.dtype | None = None,
+        channels_last: bool = True,
     ):
         if not isinstance(chunk_frames, int) or chunk_frames < 1:
             raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
         if tile is not None and tile != "auto":
             check_tile(tile, overlap)
+        if dtype is not None and dtype not in DECODE_DTYPES.values():
+            raise ValueError(
+                f"decode dtype must be one of {', '.join(map(str, DECODE_DTYPES.values()))}, got {dtype}"
+            )
         self.vae, self.tile, self.overlap, self.chunk_frames = vae, tile, overlap, chunk_frames
         self.out_device = torch.device(out_device) if out_device is not None else vae.device
+        exact = dtype is None or (dtype == vae.dtype and not channels_last)
+        self.dtype = vae.dtype if exact else dtype
+        self.decoder = vae.decoder if exact else vae.decoder_in(dtype, channels_last)
+        self.channels_last = not exact and channels_last
         self.latent_frames = 0  # latent frames decoded so far
         self.frames = 0  # video frames returned so far
         self.closed = False
@@ -544,8 +619,8 @@ class ChunkDecoder:
         self.close()
 
     def close(self) -> None:
-        """Free the caches; the decoder takes no more chunks."""
-        self._tiles, self._weight_sum, self.closed = [], None, True
+        """Free the caches (and a fast decoder's weights); the decoder takes no more chunks."""
+        self._tiles, self._weight_sum, self.closed, self.decoder = [], None, True, None
 
     def _plan(self, h: int, w: int, frames: int) -> None:
         vae, tile, s = self.vae, self.tile, SPATIAL_STRIDE
@@ -553,7 +628,8 @@ class ChunkDecoder:
             budget = free_vram(vae.device)
             if budget is not None and self.out_device == vae.device:
                 budget -= 3 * frames * h * w * s**2 * 4  # the fp32 output video
-            tile = pick_tile(vae, h, w, budget, self.overlap, self.chunk_frames)
+            bpp = vae.decode_bytes_per_latent_pixel(self.chunk_frames, self.dtype)
+            tile = pick_tile(vae, h, w, budget, self.overlap, self.chunk_frames, bytes_per_pixel=bpp)
         if tile is None:
             ys, xs = [(0, h)], [(0, w)]
         else:
@@ -570,12 +646,8 @@ class ChunkDecoder:
                     self._weight_sum[span_y[0] * s : span_y[1] * s, span_x[0] * s : span_x[1] * s] += wmap
                 self._tiles.append((span_y, span_x, wmap, {}))
 
-    @torch.no_grad()
-    def decode(self, latent: torch.Tensor, last: bool = False) -> torch.Tensor:
-        """The next normalised latent frames [z, n, h, w] -> their video frames [3, F, 8h, 8w] fp32 in
-        [-1, 1], F = 4(n-1)+1 on the first call and 4n after it. `last`: no chunk follows, so each tile's
-        cache is freed as soon as the tile is done (one tile's cache alive at a time, not all of them) and
-        the decoder closes."""
+    def _start(self, latent: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Check the next latent frames; -> (the decoder's input [1, z, n, h, w], video frames they give)."""
         if self.closed:
             raise ValueError("ChunkDecoder.decode: the decoder is closed (start a new chunk_decoder)")
         vae = self.vae
@@ -592,35 +664,107 @@ class ChunkDecoder:
             )
         mean, inv_std = vae._stats(latent.device)
         z = vae.conv2((latent.float() / inv_std + mean).to(vae.device, vae.dtype).unsqueeze(0))
+        if self.dtype != vae.dtype:
+            z = z.to(
+                self.dtype,
+                memory_format=torch.channels_last_3d if self.channels_last else torch.preserve_format,
+            )
+        return z, frames
+
+    def _tile_frames(self, z: torch.Tensor, t: int, tile, part: torch.Tensor, f: int) -> int:
+        """Stream latent frame t of one tile through its cache into `part` (the tile's view of the output)
+        from frame f on (weighted, added, when tiles blend); -> the next frame index."""
+        (y0, y1), (x0, x1), wmap, cache = tile
+        for piece in self.decoder.stream(z[:, :, t : t + 1, y0:y1, x0:x1], cache, self.chunk_frames):
+            k = piece.shape[2]
+            piece = piece[0].to(part.device, torch.float32)
+            if wmap is None:
+                part[:, f : f + k] = piece
+            else:
+                part[:, f : f + k] += piece.mul_(wmap)
+            f += k
+            del piece
+        return f
+
+    def _finish(self, out: torch.Tensor) -> torch.Tensor:
+        if self._weight_sum is not None:
+            out /= self._weight_sum
+        return out.clamp_(-1, 1)
+
+    def _view(self, out: torch.Tensor, tile) -> torch.Tensor:
+        (y0, y1), (x0, x1), *_ = tile
         s = SPATIAL_STRIDE
-        out = torch.zeros(3, frames, h * s, w * s, dtype=torch.float32, device=self.out_device)
-        for (y0, y1), (x0, x1), wmap, cache in self._tiles:
-            part = out[..., y0 * s : y1 * s, x0 * s : x1 * s]
-            f = 0
+        return out[..., y0 * s : y1 * s, x0 * s : x1 * s]
+
+    def _output(self, frames: int) -> torch.Tensor:
+        h, w = self._size
+        s = SPATIAL_STRIDE
+        return torch.zeros(3, frames, h * s, w * s, dtype=torch.float32, device=self.out_device)
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """The next normalised latent frames [z, n, h, w] -> their video frames [3, F, 8h, 8w] fp32 in
+        [-1, 1], F = 4(n-1)+1 on the first call and 4n after it. `last`: no chunk follows, so each tile's
+        cache is freed as soon as the tile is done (one tile's cache alive at a time, not all of them) and
+        the decoder closes."""
+        z, frames = self._start(latent)
+        n = latent.shape[1]
+        out = self._output(frames)
+        for tile in self._tiles:
+            part, f = self._view(out, tile), 0
             for t in range(n):
-                for piece in vae.decoder.stream(z[:, :, t : t + 1, y0:y1, x0:x1], cache, self.chunk_frames):
-                    k = piece.shape[2]
-                    piece = piece[0].to(out.device, torch.float32)
-                    if wmap is None:
-                        part[:, f : f + k] = piece
-                    else:
-                        part[:, f : f + k] += piece.mul_(wmap)
-                    f += k
-                    del piece
+                f = self._tile_frames(z, t, tile, part, f)
             if f != frames:  # the decoder's temporal upsampling is what gives 4 frames per latent frame
                 raise RuntimeError(
                     f"ChunkDecoder: decoder gave {f} frames for {n} latent frames, expected {frames}"
                 )
             if last:
-                cache.clear()
+                tile[3].clear()
         del z
-        if self._weight_sum is not None:
-            out /= self._weight_sum
         self.latent_frames += n
         self.frames += frames
+        out = self._finish(out)
         if last:
             self.close()
-        return out.clamp_(-1, 1)
+        return out
+
+    @torch.no_grad()
+    def stream(self, latent: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Like `decode`, but hands the frames out per latent frame as each is decoded (every tile's part
+        of it): [3, 1, 8h, 8w] for the stream's very first latent frame, [3, 4, 8h, 8w] for each after.
+        Concatenated they equal `decode`'s result bit for bit (each tile's cache streams the same frames
+        in the same order). Stop iterating early and the stream is left mid-chunk: close it."""
+        z, _ = self._start(latent)
+        for t in range(latent.shape[1]):
+            frames = 1 if self.latent_frames == 0 else TEMPORAL_STRIDE
+            out = self._output(frames)
+            for tile in self._tiles:
+                if self._tile_frames(z, t, tile, self._view(out, tile), 0) != frames:
+                    raise RuntimeError(
+                        f"ChunkDecoder: decoder did not give {frames} frames for a latent frame"
+                    )
+            self.latent_frames += 1
+            self.frames += frames
+            yield self._finish(out)
+
+
+def decode_dtype(name: str, device) -> torch.dtype | None:
+    """The decode a front end's name asks for: None for 'fp32' (the exact decode, the VAE's own decoder),
+    else the fast decoder's dtype; ValueError (naming `vae_dtype` and the fallback) where `device` lacks it.
+    Both run on the CPU too, slowly: the speed is for GPU tensor cores."""
+    if name not in DECODE_DTYPES:
+        raise ValueError(f"vae_dtype: expected one of {', '.join(DECODE_DTYPES)}, got {name!r}")
+    device = torch.device(device)
+    if (
+        name == "bf16"
+        and device.type == "cuda"
+        and not torch.cuda.is_bf16_supported(including_emulation=False)
+    ):
+        raise ValueError(
+            f"vae_dtype: {torch.cuda.get_device_name(device)} has no bf16 (it needs an Ampere or newer GPU); "
+            "use fp16 (as fast, same memory) or fp32"
+        )
+    return None if name == "fp32" else DECODE_DTYPES[name]
 
 
 def _ramp(spans: list[tuple[int, int]], i: int, s: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ def import_runtime() -> None:
         pipeline, \
         resolve_swap_blocks
     global FastConfig, FastSession, fast_frame_num, fast_latent_frames, KeySteering, KINDS
-    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile
+    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile, parallel, SequenceParallel
     if "_runtime_ready" in globals():
         return
     import torch
@@ -74,10 +74,11 @@ def import_runtime() -> None:
     from .loaders.request import MAX_FRAMES, RequestError, check_lora_merge, check_text_dim, plan_request
     from .loaders.text_encoder import read_encoder_config
     from .loaders.vae import check_vae, load_vae
-    from .wan import i2v, pipeline
+    from .wan import i2v, parallel, pipeline
     from .wan.block_swap import resolve_swap_blocks
     from .wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
     from .wan.fast_camera import KeySteering
+    from .wan.parallel import SequenceParallel
     from .wan.speed import SpeedOptions, SpeedStats
     from .wan.vae import DEFAULT_OVERLAP, check_tile
 
@@ -301,19 +302,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
         "block (0..num_layers, or 'auto'); less VRAM, identical results",
     )
-    p.add_argument(
-        "--ulysses_size",
-        type=int,
-        default=1,
-        help="sequence parallel over N GPUs (N divides the 40 heads): launch with "
-        "`torchrun --nproc_per_node N lingbot.py generate ... --ulysses_size N`",
-    )
-    p.add_argument(
-        "--parallel",
-        choices=["none", "auto"],
-        default="none",
-        help="'auto': sequence parallel over every process torchrun started (its world size)",
-    )
+    add_parallel_args(p, "generate", "the 40 heads")
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
     speed.add_argument(
         "--attention",
@@ -1134,6 +1123,22 @@ built when chunk k starts, from the keys of chunks 0..k (act2cam's motion at a f
 """
 
 
+def add_parallel_args(p: argparse.ArgumentParser, command: str, heads: str) -> None:
+    p.add_argument(
+        "--ulysses_size",
+        type=int,
+        default=1,
+        help=f"sequence parallel over N GPUs (N divides {heads}): launch with "
+        f"`torchrun --nproc_per_node N lingbot.py {command} ... --ulysses_size N`",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=["none", "auto"],
+        default="none",
+        help="'auto': sequence parallel over every process torchrun started (its world size)",
+    )
+
+
 def add_fast_args(p: argparse.ArgumentParser):
     p.add_argument(
         "--ckpt_dir",
@@ -1226,6 +1231,7 @@ def add_fast_args(p: argparse.ArgumentParser):
     p.add_argument("--vae_tile", default="auto", help="VAE tiles: 'auto', 'none' or H,W in latent pixels")
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
     p.add_argument("--save_latent", type=Path, help="also save the latent for ComfyUI's Load Latent node")
+    add_parallel_args(p, "fast", "the model's heads: 40 for v1 Fast and the v2 14B, 12 for the v2 1.3B")
 
 
 def fast_camera(args, files, image, size, device):
@@ -1261,10 +1267,25 @@ def fast_camera(args, files, image, size, device):
 
 
 def run_fast(args) -> int:
+    """`fast`; under torchrun with --ulysses_size N (or --parallel auto) every rank runs the chunk loop's
+    forwards on its share of the tokens and rank 0 alone encodes the text and the first frame, decodes and
+    writes (as `generate`)."""
     output = check_outputs(args, "lingbot_fast")
-    device = resolve_device(args.device)
     assets = args.assets_dir and args.assets_dir.expanduser().resolve()
     files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size
+    issue = parallel.heads_issue(ranks, files.config.num_heads) if ranks >= 1 else None
+    if issue is not None:
+        raise ValueError(f"--{issue}")
+    ranks = distributed.requested_size(args.ulysses_size, args.parallel)
+    with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
+        return _run_fast(args, files, torch.device(device), ranks, output)
+
+
+def _run_fast(args, files, device, ranks, output) -> int:
+    lead = distributed.rank() == 0  # encodes the text and the first frame, decodes, reports and writes
+    if args.keys == "-" and ranks > 1:
+        raise ValueError("--keys -: stdin reaches rank 0 alone; under sequence parallel give a keys file")
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
     check_text_dim(
         read_encoder_config(files.text_encoder)["dim"], files.config, files.text_encoder, files.model
@@ -1288,16 +1309,17 @@ def run_fast(args) -> int:
         raise ValueError(f"--size: {err}") from None
     cam, steering, rows, frames = fast_camera(args, files, image, size, device)
     lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames, chunk), size
-    if args.frame_num is not None and frames != args.frame_num:
+    if args.frame_num is not None and frames != args.frame_num and lead:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
     need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
-    print(
-        f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
-        f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
-        f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
-    )
+    if lead:
+        print(
+            f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
+            f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
+            f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
+        )
     if device.type == "cuda":
         vram, ram = memplan.free_memory(device)
         issue = fast_run.fast_fit_issue(
@@ -1312,9 +1334,9 @@ def run_fast(args) -> int:
         )
         if issue is not None:
             raise ValueError(f"memory: {issue}")
-    # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip
-    writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite)
-    sink = fast_run.FrameSink(args.frames_dir, args.overwrite, writer)
+    # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip (rank 0 alone writes)
+    writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite) if lead else None
+    sink = fast_run.FrameSink(args.frames_dir, args.overwrite, writer) if lead else None
     log = monitor.PhaseLog()
     hooks = pipeline.Hooks(phase=log.phase)
     try:
@@ -1325,7 +1347,7 @@ def run_fast(args) -> int:
         except torch.OutOfMemoryError:
             error = memplan.oom_error(hooks.current, None)
         except KeyboardInterrupt:
-            if sink.dir is not None and sink.count:
+            if sink is not None and sink.dir is not None and sink.count:
                 print(f"{sink.count} frames were written to {sink.dir} before the interrupt", file=sys.stderr)
             raise
         else:
@@ -1333,10 +1355,13 @@ def run_fast(args) -> int:
         if error is not None:  # outside the handler: the failed step's tensors are gone
             monitor.free_memory()
             raise error
+        if not lead:  # the others' part ends with the last chunk
+            return 0
         with hooks.in_phase("write_mp4"):
             writer.close()
     finally:
-        writer.abort()  # no partial MP4 (nothing to do once closed)
+        if writer is not None:
+            writer.abort()  # no partial MP4 (nothing to do once closed)
     print(log.table())
     print(f"wrote {output} ({sink.count} frames, {h}*{w}, {fast_run.REAL_TIME_FPS} fps, seed {config.seed})")
     write_report(args.report, log)
@@ -1350,23 +1375,37 @@ def write_report(path: Path | None, log: monitor.PhaseLog) -> None:
 
 
 def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):
-    phase = hooks.in_phase
+    """The chunk loop; `sink` None: a rank other than 0 of a sequence-parallel run (it receives the text and
+    the condition from rank 0, runs its share of every forward and decodes nothing)."""
+    phase, lead = hooks.in_phase, sink is not None
+    ranks = parallel.world_size()
     with phase("text_encode"):
-        (context,) = text_encode.encode_prompts(
-            files.text_encoder,
-            [args.prompt],
-            tokenizer_path=files.tokenizer,
-            mode=args.t5_mode,
-            device="cpu" if args.t5_cpu else str(device),
-        )
-    with phase("load_vae"):
-        vae = load_vae(files.vae, device)
-    with phase("vae_encode"):
-        y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
+        context = None
+        if lead:
+            context = text_encode.encode_prompts(
+                files.text_encoder,
+                [args.prompt],
+                tokenizer_path=files.tokenizer,
+                mode=args.t5_mode,
+                device="cpu" if args.t5_cpu else str(device),
+            )
+        if ranks > 1:
+            context = distributed.broadcast_tensors(context, device)
+        (context,) = context
+    vae = y = None
+    if lead:
+        with phase("load_vae"):
+            vae = load_vae(files.vae, device)
+        with phase("vae_encode"):
+            y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
+    if ranks > 1:
+        (y,) = distributed.broadcast_tensors(None if y is None else [y], device)
     model = fast_run.FastModel(files, device, quantize=args.quantize or None, swap_blocks=swap)
     try:
         with phase("load_model"):
             dit = model()
+        if ranks > 1:
+            dit.sequence_parallel = SequenceParallel()
         lat_shape = (fast_latent_frames(frames, config.chunk_frames), *size[:2])
         session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
         del y
@@ -1379,9 +1418,10 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
             sink.add(frames_out)
             print(timing.line(), flush=True)
 
+        decoding = vae.chunk_decoder(tile) if lead else contextlib.nullcontext()
         try:
-            with phase("chunks"), vae.chunk_decoder(tile) as decoder:
-                made = fast_run.run_chunks(session, cameras, decoder, on_chunk)
+            with phase("chunks"), decoding as decoder:
+                made = fast_run.run_chunks(session, cameras, decoder, on_chunk if lead else lambda *_: None)
             if not made:
                 raise ValueError("--keys: no key line arrived; nothing was generated")
             latent = session.latent()
@@ -1389,7 +1429,7 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
             session.close()
     finally:
         model.close()
-    if args.save_latent:
+    if args.save_latent and lead:
         save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
     return latent
 

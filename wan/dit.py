@@ -666,15 +666,16 @@ class WanModel(nn.Module):
 
 
 @torch.no_grad()
-def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
+def init_random_(model: nn.Module, seed: int = 0, device=None) -> nn.Module:
     """Fill every parameter with seeded random values (tests, benchmarks, the demo; real use loads weights).
 
     Weights get std 1/sqrt(fan_in) so activations keep their scale through the blocks; upstream's own
-    init zeroes the head and the camera biases, which would make outputs trivially zero.
+    init zeroes the head and the camera biases, which would make outputs trivially zero. `device`: where
+    the generator draws (default the CPU; a GPU's fills a full-size model there in seconds).
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device or "cpu").manual_seed(seed)
     for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=g)
+        r = torch.randn(p.shape, generator=g, device=g.device)
         if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
             p.copy_(1 + 0.1 * r)
         elif p.dim() >= 2 and "modulation" not in name:

@@ -25,7 +25,10 @@ checkpoint has a base-cam expert's keys and shapes; the window and sink are run 
 Each forward is the model's one forward (`WanModel.forward_tokens`: the same blocks, block swap, lean
 activations and attention backend as the bidirectional experts) with RoPE from the chunk's first frame and
 the chunk-causal keys (`ChunkCausal`: the K/V cache and the kept text keys) as its pluggable piece.
-Sequence parallel is refused.
+Under sequence parallel (`WanModel.sequence_parallel`, `wan.parallel`) every rank runs the same session: the
+same noise (same seed), the same schedule and the same cache placement; a chunk's tokens are split across
+the ranks and each rank's self-attention sees the whole chunk for its share of the heads, so its K/V cache
+holds those heads only (1/N of the cache per rank); the text keys, per token work, are kept whole.
 """
 
 import math
@@ -259,11 +262,9 @@ class FastSession:
 
     def __init__(self, model, context, y, lat_shape, config: FastConfig, device, hooks=None):
         config.validate()
-        if getattr(model, "sequence_parallel", None) is not None:
-            raise ValueError(
-                "Fast generation does not support sequence parallel yet: run it on one GPU "
-                "(model.sequence_parallel must be None)"
-            )
+        sp = getattr(model, "sequence_parallel", None)
+        if sp is not None:
+            sp.check_heads(model.blocks[0].self_attn.num_heads)
         if not (isinstance(lat_shape, (tuple, list)) and len(lat_shape) == 3):
             raise ValueError(f"lat_shape: expected (lat_f, lat_h, lat_w), got {lat_shape!r}")
         lat_f, lat_h, lat_w = (int(v) for v in lat_shape)
@@ -317,7 +318,7 @@ class FastSession:
         self._cache = SelfKVCache(
             len(model.blocks),
             self.frame_seqlen * _cache_frames(lat_f, config),
-            blk.num_heads,
+            blk.num_heads // (1 if sp is None else sp.world),  # sequence parallel: this rank's heads
             blk.head_dim,
             config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
             config.kv_dtype or dtype,

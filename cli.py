@@ -1313,7 +1313,9 @@ def _run_fast(args, files, device, ranks, output) -> int:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
-    need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile)
+    need = fast_run.fast_memory(
+        files, (lat_f, lat_h, lat_w), config, args.quantize or None, swap, tile, ranks=ranks
+    )
     if lead:
         print(
             f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
@@ -1331,6 +1333,7 @@ def _run_fast(args, files, device, ranks, output) -> int:
             vram,
             tile,
             free_ram=None if ram is None else ram + memplan.PROCESS_RAM,  # this process's share is counted
+            ranks=ranks,
         )
         if issue is not None:
             raise ValueError(f"memory: {issue}")

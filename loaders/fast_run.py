@@ -4,6 +4,7 @@ Fast model's residency, steering keys and the chunk loop that decodes and hands 
 The CLI's `fast` command and the ComfyUI Fast nodes both run `wan.fast.FastSession` through here.
 """
 
+import functools
 import math
 import sys
 import time
@@ -395,11 +396,13 @@ def fast_memory(
     quantize: bool | None,
     swap: int,
     tile=None,
+    ranks: int = 1,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
     encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept. `files`: a
-    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files)."""
+    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files). `ranks`:
+    sequence-parallel ranks (each holds 1/ranks of the self-attention cache; the rest is counted whole)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -422,7 +425,8 @@ def fast_memory(
             PROCESS_RAM + MP4_RAM_PER_PIXEL * pixels + sum(swap_host_ram(m.nbytes, cfg.num_layers, swap)),
         )
     )
-    return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work, condition, encode, ram)
+    caches = kv_cache_bytes_for(cfg, lat_shape, config, ranks=ranks)
+    return FastMemory(model, caches, work, condition, encode, ram)
 
 
 def fast_fit_issue(
@@ -434,13 +438,15 @@ def fast_fit_issue(
     free_vram: int | None,
     tile=None,
     free_ram: int | None = None,
+    ranks: int = 1,
 ) -> str | None:
     """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
     with the predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block
     swap)."""
     gib = 1 << 30
+    memory = functools.partial(fast_memory, ranks=ranks)
     files = chunked_model(files, quantize)
-    need = fast_memory(files, lat_shape, config, quantize, swap, tile)
+    need = memory(files, lat_shape, config, quantize, swap, tile)
     frames = (lat_shape[0] - 1) * 4 + 1
     if free_ram is not None and need.ram > free_ram:
         return (
@@ -454,19 +460,19 @@ def fast_fit_issue(
         if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
             continue
         trial = replace(config, local_attn_size=window, sink_size=min(3, window - config.chunk_frames))
-        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
+        if memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
             options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
             break
     if config.kv_dtype is None:
         trial = replace(config, kv_dtype=torch.float8_e4m3fn)
-        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
+        if memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
             options.append("--kv_dtype fp8")
     layers = files.config.num_layers
-    if swap < layers and fast_memory(files, lat_shape, config, quantize, layers, tile).peak <= free_vram:
+    if swap < layers and memory(files, lat_shape, config, quantize, layers, tile).peak <= free_vram:
         need_swap = next(
             n
             for n in range(swap, layers + 1)
-            if fast_memory(files, lat_shape, config, quantize, n, tile).peak <= free_vram
+            if memory(files, lat_shape, config, quantize, n, tile).peak <= free_vram
         )
         options.append(f"--swap_blocks {need_swap}")
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"

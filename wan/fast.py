@@ -166,14 +166,17 @@ def _cache_frames(lat_f: int, fast: FastConfig) -> int:
     return lat_f if fast.local_attn_size == -1 else min(fast.local_attn_size, lat_f)
 
 
-def kv_cache_bytes_for(config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16) -> int:
-    """Bytes the self- and cross-attention caches of a Fast generation hold (planner)."""
+def kv_cache_bytes_for(
+    config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16, ranks: int = 1
+) -> int:
+    """Bytes the self- and cross-attention caches of a Fast generation hold (planner), on each of `ranks`
+    sequence-parallel ranks (each keeps its share of the heads' self-attention keys, the text keys whole)."""
     lat_f, lat_h, lat_w = lat_shape
     itemsize = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     tokens = _frame_seqlen(lat_h, lat_w, config.patch_size) * _cache_frames(lat_f, fast)
     per_token = 2 * config.num_layers * config.dim
     return per_token * (
-        tokens * itemsize(fast.kv_dtype or compute_dtype) + config.text_len * itemsize(compute_dtype)
+        tokens * itemsize(fast.kv_dtype or compute_dtype) // ranks + config.text_len * itemsize(compute_dtype)
     )
 
 

@@ -883,8 +883,10 @@ def run_plan(args) -> int:
 def run_plan_chunked(args, kind) -> int:
     """`plan --model fast|v2-14b|v2-1.3b`: the text encoder's peak, then the chunk loop's (model, attention
     caches, a chunk's work: what `fast` checks before it loads), from the architecture with NF4 weights."""
-    if args.ulysses_size != 1:
-        raise ValueError("--ulysses_size: the chunked models are planned on one GPU")
+    ranks = args.ulysses_size  # each GPU's share under torchrun (`fast --ulysses_size N`)
+    if ranks < 1:
+        raise ValueError(f"--ulysses_size: expected an integer >= 1, got {ranks}")
+    check_heads(ranks, kind.dit.num_heads)
     if args.ram is not None:
         raise ValueError("--ram: the chunked models' plan predicts VRAM only")
     try:
@@ -905,7 +907,7 @@ def run_plan_chunked(args, kind) -> int:
     except ValueError as err:
         raise ValueError(f"--size: {err}") from None
     model, shape, tile = fast_run.ChunkedModel.of_kind(kind), (lat_f, lat_h, lat_w), vae_tile(args.vae_tile)
-    need = fast_run.fast_memory(model, shape, config, None, swap, tile)
+    need = fast_run.fast_memory(model, shape, config, None, swap, tile, ranks=ranks)
     text = 0 if args.t5_cpu else memplan.T5_DEFAULT_BYTES + memplan.T5_WORKING
     gib = memplan.GIB
     window = "all" if local == -1 else f"{local}, sink {sink}"
@@ -913,7 +915,7 @@ def run_plan_chunked(args, kind) -> int:
     print(
         f"memory plan: {kind.name} (NF4 weights, from its architecture), {made} at {h}*{w}: "
         f"{lat_f // chunk} chunks of {chunk} latent frames; attention window {window}, K/V {args.kv_dtype}, "
-        f"swap_blocks {swap}"
+        f"swap_blocks {swap}" + (f"; per GPU of {ranks} (sequence parallel)" if ranks > 1 else "")
     )
     print(f"{'phase':<13} {'peak VRAM':>10}")
     where = "CPU" if args.t5_cpu else "GPU"
@@ -927,7 +929,7 @@ def run_plan_chunked(args, kind) -> int:
     if vram is None:
         print(NO_GPU_NOTE)
         return 0
-    issue = fast_run.fast_fit_issue(model, shape, config, None, swap, vram, tile)
+    issue = fast_run.fast_fit_issue(model, shape, config, None, swap, vram, tile, ranks=ranks)
     if text > vram:
         t5 = f"text_encode needs {text / gib:.1f} GiB, more than {vram / gib:.1f} GiB free; add --t5_cpu"
         issue = t5 if issue is None else f"{issue}; {t5}"
@@ -1266,6 +1268,13 @@ def fast_camera(args, files, image, size, device):
     return None, steering, rows, frames
 
 
+def check_heads(ranks: int, num_heads: int) -> None:
+    """--ulysses_size against the model's heads (a size below 1 is refused where it is read)."""
+    issue = parallel.heads_issue(ranks, num_heads) if ranks >= 1 else None
+    if issue is not None:
+        raise ValueError(f"--{issue}")
+
+
 def run_fast(args) -> int:
     """`fast`; under torchrun with --ulysses_size N (or --parallel auto) every rank runs the chunk loop's
     forwards on its share of the tokens and rank 0 alone encodes the text and the first frame, decodes and
@@ -1273,10 +1282,10 @@ def run_fast(args) -> int:
     output = check_outputs(args, "lingbot_fast")
     assets = args.assets_dir and args.assets_dir.expanduser().resolve()
     files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
-    ranks = int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size
-    issue = parallel.heads_issue(ranks, files.config.num_heads) if ranks >= 1 else None
-    if issue is not None:
-        raise ValueError(f"--{issue}")
+    check_heads(
+        int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
+        files.config.num_heads,
+    )
     ranks = distributed.requested_size(args.ulysses_size, args.parallel)
     with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
         return _run_fast(args, files, torch.device(device), ranks, output)

@@ -564,7 +564,7 @@ class WanModel(nn.Module):
             raise ValueError("i2v model needs the image condition y [20, F, H, W]")
         if context.shape[0] > self.text_len:
             raise ValueError(f"context has {context.shape[0]} tokens, more than text_len {self.text_len}")
-        # the camera tokens in no local here: the lean forward lets them go before the head
+        # no local here holds the camera tokens: the lean forward lets them go before the head
         return self.forward_tokens(
             x,
             y,

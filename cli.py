@@ -47,7 +47,7 @@ def import_runtime() -> None:
         pipeline, \
         resolve_swap_blocks
     global FastConfig, FastSession, fast_frame_num, fast_latent_frames, KeySteering, KINDS
-    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile, decode_dtype
+    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile, decode_dtype, parallel, SequenceParallel
     if "_runtime_ready" in globals():
         return
     import torch
@@ -74,10 +74,11 @@ def import_runtime() -> None:
     from .loaders.request import MAX_FRAMES, RequestError, check_lora_merge, check_text_dim, plan_request
     from .loaders.text_encoder import read_encoder_config
     from .loaders.vae import check_vae, load_vae
-    from .wan import i2v, pipeline
+    from .wan import i2v, parallel, pipeline
     from .wan.block_swap import resolve_swap_blocks
     from .wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
     from .wan.fast_camera import KeySteering
+    from .wan.parallel import SequenceParallel
     from .wan.speed import SpeedOptions, SpeedStats
     from .wan.vae import DEFAULT_OVERLAP, check_tile, decode_dtype
 
@@ -302,19 +303,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         help="DiT blocks of the resident expert kept in pinned host RAM and streamed to the GPU block by "
         "block (0..num_layers, or 'auto'); less VRAM, identical results",
     )
-    p.add_argument(
-        "--ulysses_size",
-        type=int,
-        default=1,
-        help="sequence parallel over N GPUs (N divides the 40 heads): launch with "
-        "`torchrun --nproc_per_node N lingbot.py generate ... --ulysses_size N`",
-    )
-    p.add_argument(
-        "--parallel",
-        choices=["none", "auto"],
-        default="none",
-        help="'auto': sequence parallel over every process torchrun started (its world size)",
-    )
+    add_parallel_args(p, "generate", "the 40 heads")
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
     speed.add_argument(
         "--attention",
@@ -944,8 +933,10 @@ def run_plan(args) -> int:
 def run_plan_chunked(args, kind) -> int:
     """`plan --model fast|v2-14b|v2-1.3b`: the text encoder's peak, then the chunk loop's (model, attention
     caches, a chunk's work: what `fast` checks before it loads), from the architecture with NF4 weights."""
-    if args.ulysses_size != 1:
-        raise ValueError("--ulysses_size: the chunked models are planned on one GPU")
+    ranks = args.ulysses_size  # each GPU's share under torchrun (`fast --ulysses_size N`)
+    if ranks < 1:
+        raise ValueError(f"--ulysses_size: expected an integer >= 1, got {ranks}")
+    check_heads(ranks, kind.dit.num_heads)
     if args.ram is not None:
         raise ValueError("--ram: the chunked models' plan predicts VRAM only")
     try:
@@ -966,7 +957,7 @@ def run_plan_chunked(args, kind) -> int:
     except ValueError as err:
         raise ValueError(f"--size: {err}") from None
     model, shape, tile = fast_run.ChunkedModel.of_kind(kind), (lat_f, lat_h, lat_w), vae_tile(args.vae_tile)
-    need = fast_run.fast_memory(model, shape, config, None, swap, tile, args.vae_dtype)
+    need = fast_run.fast_memory(model, shape, config, None, swap, tile, args.vae_dtype, ranks=ranks)
     text = 0 if args.t5_cpu else memplan.T5_DEFAULT_BYTES + memplan.T5_WORKING
     gib = memplan.GIB
     window = "all" if local == -1 else f"{local}, sink {sink}"
@@ -975,6 +966,7 @@ def run_plan_chunked(args, kind) -> int:
         f"memory plan: {kind.name} (NF4 weights, from its architecture), {made} at {h}*{w}: "
         f"{lat_f // chunk} chunks of {chunk} latent frames; attention window {window}, K/V {args.kv_dtype}, "
         f"swap_blocks {swap}, VAE decoder {args.vae_dtype}"
+        + (f"; per GPU of {ranks} (sequence parallel)" if ranks > 1 else "")
     )
     print(f"{'phase':<13} {'peak VRAM':>10}")
     where = "CPU" if args.t5_cpu else "GPU"
@@ -988,7 +980,9 @@ def run_plan_chunked(args, kind) -> int:
     if vram is None:
         print(NO_GPU_NOTE)
         return 0
-    issue = fast_run.fast_fit_issue(model, shape, config, None, swap, vram, tile, vae_dtype=args.vae_dtype)
+    issue = fast_run.fast_fit_issue(
+        model, shape, config, None, swap, vram, tile, vae_dtype=args.vae_dtype, ranks=ranks
+    )
     if text > vram:
         t5 = f"text_encode needs {text / gib:.1f} GiB, more than {vram / gib:.1f} GiB free; add --t5_cpu"
         issue = t5 if issue is None else f"{issue}; {t5}"
@@ -1184,6 +1178,22 @@ built when chunk k starts, from the keys of chunks 0..k (act2cam's motion at a f
 """
 
 
+def add_parallel_args(p: argparse.ArgumentParser, command: str, heads: str) -> None:
+    p.add_argument(
+        "--ulysses_size",
+        type=int,
+        default=1,
+        help=f"sequence parallel over N GPUs (N divides {heads}): launch with "
+        f"`torchrun --nproc_per_node N lingbot.py {command} ... --ulysses_size N`",
+    )
+    p.add_argument(
+        "--parallel",
+        choices=["none", "auto"],
+        default="none",
+        help="'auto': sequence parallel over every process torchrun started (its world size)",
+    )
+
+
 def add_fast_args(p: argparse.ArgumentParser):
     p.add_argument(
         "--ckpt_dir",
@@ -1284,6 +1294,7 @@ def add_fast_args(p: argparse.ArgumentParser):
     add_vae_dtype_arg(p)
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
     p.add_argument("--save_latent", type=Path, help="also save the latent for ComfyUI's Load Latent node")
+    add_parallel_args(p, "fast", "the model's heads: 40 for v1 Fast and the v2 14B, 12 for the v2 1.3B")
 
 
 def fast_camera(args, files, image, size, device):
@@ -1318,12 +1329,34 @@ def fast_camera(args, files, image, size, device):
     return None, steering, rows, frames
 
 
+def check_heads(ranks: int, num_heads: int) -> None:
+    """--ulysses_size against the model's heads (a size below 1 is refused where it is read)."""
+    issue = parallel.heads_issue(ranks, num_heads) if ranks >= 1 else None
+    if issue is not None:
+        raise ValueError(f"--{issue}")
+
+
 def run_fast(args) -> int:
+    """`fast`; under torchrun with --ulysses_size N (or --parallel auto) every rank runs the chunk loop's
+    forwards on its share of the tokens and rank 0 alone encodes the text and the first frame, decodes and
+    writes (as `generate`)."""
     output = check_outputs(args, "lingbot_fast")
-    device = resolve_device(args.device)
-    quantize = load_quantize(args, device)
     assets = args.assets_dir and args.assets_dir.expanduser().resolve()
     files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
+    check_heads(
+        int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
+        files.config.num_heads,
+    )
+    ranks = distributed.requested_size(args.ulysses_size, args.parallel)
+    with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
+        return _run_fast(args, files, torch.device(device), ranks, output)
+
+
+def _run_fast(args, files, device, ranks, output) -> int:
+    lead = distributed.rank() == 0  # encodes the text and the first frame, decodes, reports and writes
+    quantize = load_quantize(args, device)
+    if args.keys == "-" and ranks > 1:
+        raise ValueError("--keys -: stdin reaches rank 0 alone; under sequence parallel give a keys file")
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
     check_text_dim(
         read_encoder_config(files.text_encoder)["dim"], files.config, files.text_encoder, files.model
@@ -1348,16 +1381,19 @@ def run_fast(args) -> int:
         raise ValueError(f"--size: {err}") from None
     cam, steering, rows, frames = fast_camera(args, files, image, size, device)
     lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames, chunk), size
-    if args.frame_num is not None and frames != args.frame_num:
+    if args.frame_num is not None and frames != args.frame_num and lead:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
-    need = fast_run.fast_memory(files, (lat_f, lat_h, lat_w), config, quantize, swap, tile, args.vae_dtype)
-    print(
-        f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
-        f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
-        f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
+    need = fast_run.fast_memory(
+        files, (lat_f, lat_h, lat_w), config, quantize, swap, tile, args.vae_dtype, ranks=ranks
     )
+    if lead:
+        print(
+            f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
+            f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
+            f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
+        )
     if device.type == "cuda":
         vram, ram = memplan.free_memory(device)
         issue = fast_run.fast_fit_issue(
@@ -1370,12 +1406,13 @@ def run_fast(args) -> int:
             tile,
             free_ram=None if ram is None else ram + memplan.PROCESS_RAM,  # this process's share is counted
             vae_dtype=args.vae_dtype,
+            ranks=ranks,
         )
         if issue is not None:
             raise ValueError(f"memory: {issue}")
-    # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip
-    writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite)
-    sink = fast_run.FrameSink(args.frames_dir, args.overwrite, writer)
+    # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip (rank 0 alone writes)
+    writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite) if lead else None
+    sink = fast_run.FrameSink(args.frames_dir, args.overwrite, writer) if lead else None
     log = monitor.PhaseLog()
     hooks = pipeline.Hooks(phase=log.phase)
     try:
@@ -1386,7 +1423,7 @@ def run_fast(args) -> int:
         except torch.OutOfMemoryError:
             error = memplan.oom_error(hooks.current, None)
         except KeyboardInterrupt:
-            if sink.dir is not None and sink.count:
+            if sink is not None and sink.dir is not None and sink.count:
                 print(f"{sink.count} frames were written to {sink.dir} before the interrupt", file=sys.stderr)
             raise
         else:
@@ -1394,10 +1431,13 @@ def run_fast(args) -> int:
         if error is not None:  # outside the handler: the failed step's tensors are gone
             monitor.free_memory()
             raise error
+        if not lead:  # the others' part ends with the last chunk
+            return 0
         with hooks.in_phase("write_mp4"):
             writer.close()
     finally:
-        writer.abort()  # no partial MP4 (nothing to do once closed)
+        if writer is not None:
+            writer.abort()  # no partial MP4 (nothing to do once closed)
     print(log.table())
     print(f"wrote {output} ({sink.count} frames, {h}*{w}, {fast_run.REAL_TIME_FPS} fps, seed {config.seed})")
     write_report(args.report, log)
@@ -1411,23 +1451,37 @@ def write_report(path: Path | None, log: monitor.PhaseLog) -> None:
 
 
 def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):
-    phase = hooks.in_phase
+    """The chunk loop; `sink` None: a rank other than 0 of a sequence-parallel run (it receives the text and
+    the condition from rank 0, runs its share of every forward and decodes nothing)."""
+    phase, lead = hooks.in_phase, sink is not None
+    ranks = parallel.world_size()
     with phase("text_encode"):
-        (context,) = text_encode.encode_prompts(
-            files.text_encoder,
-            [args.prompt],
-            tokenizer_path=files.tokenizer,
-            mode=args.t5_mode,
-            device="cpu" if args.t5_cpu else str(device),
-        )
-    with phase("load_vae"):
-        vae = load_vae(files.vae, device)
-    with phase("vae_encode"):
-        y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
+        context = None
+        if lead:
+            context = text_encode.encode_prompts(
+                files.text_encoder,
+                [args.prompt],
+                tokenizer_path=files.tokenizer,
+                mode=args.t5_mode,
+                device="cpu" if args.t5_cpu else str(device),
+            )
+        if ranks > 1:
+            context = distributed.broadcast_tensors(context, device)
+        (context,) = context
+    vae = y = None
+    if lead:
+        with phase("load_vae"):
+            vae = load_vae(files.vae, device)
+        with phase("vae_encode"):
+            y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
+    if ranks > 1:
+        (y,) = distributed.broadcast_tensors(None if y is None else [y], device)
     model = fast_run.FastModel(files, device, quantize=load_quantize(args), swap_blocks=swap)
     try:
         with phase("load_model"):
             dit = model()
+        if ranks > 1:
+            dit.sequence_parallel = SequenceParallel()
         lat_shape = (fast_latent_frames(frames, config.chunk_frames), *size[:2])
         session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
         del y
@@ -1440,10 +1494,11 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
             sink.add(frames_out)
             print(timing.line(), flush=True)
 
+        dtype = decode_dtype(args.vae_dtype, device)
+        decoding = vae.chunk_decoder(tile, dtype=dtype) if lead else contextlib.nullcontext()
         try:
-            dtype = decode_dtype(args.vae_dtype, device)
-            with phase("chunks"), vae.chunk_decoder(tile, dtype=dtype) as decoder:
-                made = fast_run.run_chunks(session, cameras, decoder, on_chunk)
+            with phase("chunks"), decoding as decoder:
+                made = fast_run.run_chunks(session, cameras, decoder, on_chunk if lead else lambda *_: None)
             if not made:
                 raise ValueError("--keys: no key line arrived; nothing was generated")
             latent = session.latent()
@@ -1451,7 +1506,7 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
             session.close()
     finally:
         model.close()
-    if args.save_latent:
+    if args.save_latent and lead:
         save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
     return latent
 

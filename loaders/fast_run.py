@@ -4,6 +4,7 @@ Fast model's residency, steering keys and the chunk loop that decodes and hands 
 The CLI's `fast` command and the ComfyUI Fast nodes both run `wan.fast.FastSession` through here.
 """
 
+import functools
 import math
 import sys
 import time
@@ -411,12 +412,14 @@ def fast_memory(
     swap: int,
     tile=None,
     vae_dtype: str = "fp32",
+    ranks: int = 1,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
     encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept. `files`: a
     FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files).
-    vae_dtype: the chunk decoder's ('fp32' exact, 'bf16'/'fp16' the fast decoder)."""
+    vae_dtype: the chunk decoder's ('fp32' exact, 'bf16'/'fp16' the fast decoder). `ranks`: sequence-parallel
+    ranks (each holds 1/ranks of the self-attention cache; the rest is counted whole)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -439,7 +442,8 @@ def fast_memory(
             PROCESS_RAM + MP4_RAM_PER_PIXEL * pixels + sum(swap_host_ram(m.nbytes, cfg.num_layers, swap)),
         )
     )
-    return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work, condition, encode, ram)
+    caches = kv_cache_bytes_for(cfg, lat_shape, config, ranks=ranks)
+    return FastMemory(model, caches, work, condition, encode, ram)
 
 
 def fast_fit_issue(
@@ -452,17 +456,19 @@ def fast_fit_issue(
     tile=None,
     free_ram: int | None = None,
     vae_dtype: str = "fp32",
+    ranks: int = 1,
 ) -> str | None:
     """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
     with the predicted peak and the settings that would fit (the fast decoder, a window with a 3-frame
     sink, fp8 K/V, block swap)."""
     gib = 1 << 30
+    memory = functools.partial(fast_memory, ranks=ranks)
     files = chunked_model(files, quantize)
 
     def peak(config=config, swap=swap, vae_dtype=vae_dtype):
-        return fast_memory(files, lat_shape, config, quantize, swap, tile, vae_dtype).peak
+        return memory(files, lat_shape, config, quantize, swap, tile, vae_dtype).peak
 
-    need = fast_memory(files, lat_shape, config, quantize, swap, tile, vae_dtype)
+    need = memory(files, lat_shape, config, quantize, swap, tile, vae_dtype)
     frames = (lat_shape[0] - 1) * 4 + 1
     if free_ram is not None and need.ram > free_ram:
         return (

@@ -3,7 +3,10 @@ CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs
 block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks (arguments, a linked checkpoint
 copy, the one-error check), a kohya LoRA file, a Fast session's forward recorder and a process-exit wait."""
 
+import contextlib
 import os
+import socket
+import subprocess
 import sys
 import time
 import types
@@ -248,3 +251,46 @@ def _gone(proc: psutil.Process, within: float) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script, *args, nproc: int = 2, **run) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node nproc script args` on a free port, its output captured as text."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    launch += ["--master_port", str(free_port()), str(script), *map(str, args)]
+    return subprocess.run(launch, capture_output=True, text=True, **{"timeout": 300, **run})
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread, as torchrun's and mp.spawn's ranks run: a one-process reference computed like them
+    (on some CPUs the thread count changes bf16 matmul rounding, which a few steps amplify)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_torchrun_cli_equals_one_process(argv, folder: Path, frames: int) -> None:
+    """`argv(name)`: a CLI command writing folder/name.mp4 and its latent folder/name.latent. Run once in this
+    process (one thread), then as two ranks under torchrun (--parallel auto): rank 0 alone reports and writes,
+    an MP4 of `frames` frames whose latent is the one-process run's."""
+    from lingbot_world.loaders.video import read_mp4_info
+    from safetensors.torch import load_file
+
+    with one_thread():
+        assert cli.main(argv("one")) == 0
+    run = torchrun(Path(__file__).resolve().parents[1] / "lingbot.py", *argv("two"), "--parallel", "auto")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("wrote ") == 1
+    assert read_mp4_info(folder / "two.mp4")["frames"] == frames
+    one, two = load_file(folder / "one.latent"), load_file(folder / "two.latent")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-3)

@@ -221,3 +221,52 @@ def group_rank(rank, world, port, out_dir, fail_rank=None):
         status = f"ok {total.item():g}"
     record = {"status": status, "initialized": dist.is_initialized(), "seconds": time.monotonic() - t0}
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+# --- chunked generation (v1 Fast, v2) under sequence parallel -------------------------------------------
+
+FAST_LAT = (
+    12,
+    6,
+    10,
+)  # 15 tokens a frame: a 3-frame chunk's 45 tokens pad for 2 ranks, a 4-frame one's 60 do not
+
+
+def fast_settings(kind: str):
+    """The kind's chunk, steps and shift with a window that rolls within the 12 latent frames (v1 Fast: 4
+    chunks, v2: 3), and a camera."""
+    from lingbot_world.wan.config import CHUNKED_KINDS
+    from lingbot_world.wan.fast import FastConfig
+
+    chunk = CHUNKED_KINDS[kind].chunk_frames
+    return FastConfig.for_kind(CHUNKED_KINDS[kind], seed=7, local_attn_size=2 * chunk + 1, sink_size=1)
+
+
+def fast_generate(kind: str):
+    """The tiny cam model's whole chunked clip: (latent, the attention caches' bytes on this rank)."""
+    from lingbot_world.wan.fast import FastSession
+
+    model = tiny_model()
+    config = fast_settings(kind)
+    g = torch.Generator().manual_seed(8)
+    y = torch.randn(20, *FAST_LAT, generator=g)
+    context = torch.randn(7, 32, generator=g)
+    cam = 0.1 * torch.randn(1, 384, *FAST_LAT, generator=g)
+    model.sequence_parallel = SequenceParallel() if dist.is_initialized() else None
+    session = FastSession(model, context, y, FAST_LAT, config, "cpu")
+    chunk, cache = config.chunk_frames, None
+    for k in range(session.num_chunks):
+        session.next_chunk(cam[:, :, k * chunk : (k + 1) * chunk])
+        cache = cache or session.kv_cache_bytes()  # after the first chunk: the text keys are in it too
+    return session.latent(), cache
+
+
+def fast_rank(rank, world, port, out_dir, kind):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        latent, cache = fast_generate(kind)
+        torch.save({"latent": latent, "cache": cache}, Path(out_dir) / f"rank{rank}.pt")
+        peers_done()
+    finally:
+        dist.destroy_process_group()

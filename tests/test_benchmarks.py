@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -259,25 +260,8 @@ def test_bench_parallel(tmp_path):
     one = run_tiny("bench_parallel.py", tmp_path)
     assert one["world_size"] == 1 and one["tiny"]["tokens"] > 0 and one["tiny"]["step_s"] > 0
     env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "benchmarks" / "bench_parallel.py"),
-            "--scale",
-            "tiny",
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=600,
-    )
+    script = ROOT / "benchmarks" / "bench_parallel.py"
+    out = torchrun(script, "--scale", "tiny", "--workdir", tmp_path / "w", cwd=tmp_path, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     two = json.loads(out.stdout.strip().splitlines()[-1])
     assert two["world_size"] == 2
@@ -286,6 +270,26 @@ def test_bench_parallel(tmp_path):
     assert two["tiny"]["speedup_vs_1gpu"] == pytest.approx(
         one["tiny"]["step_s"] / two["tiny"]["step_s"], rel=0.01
     )
+
+
+def test_bench_parallel_fast(tmp_path):
+    """Two gloo ranks under torchrun: rank 0's one-process clip, then the two-rank clip, in one launch; the
+    latents agree, the speed-up is the ratio of the seconds per chunk, each rank's cache holds half the heads."""
+    env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    script = ROOT / "benchmarks" / "bench_parallel_fast.py"
+    out = torchrun(script, "--scale", "tiny", "--chunks", "3", cwd=tmp_path, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads(out.stdout.strip().splitlines()[-1])
+    one, two = s["one_gpu"], s["2_gpus"]
+    assert (
+        s["model"] == "v2-14b"
+        and s["latent_frames"] == 12
+        and len(one["chunk_s"]) == len(two["chunk_s"]) == 3
+    )
+    assert s["speedup"] == pytest.approx(one["s_per_chunk"] / two["s_per_chunk"], rel=0.01)
+    assert one["kv_cache_bytes"] == 2 * two["kv_cache_bytes"] > 0
+    assert len(two["peak_vram_gib_per_rank"]) == 2
+    assert s["max_abs_dev_vs_1gpu"] < 1e-4 < s["latent_max_abs"]
 
 
 def test_bench_fast(tmp_path):

@@ -144,6 +144,34 @@ def test_commit_pass_changes_the_next_chunk():
     assert (outs[0][1] - outs[1][1]).abs().max() > 1e-3
 
 
+def test_chunks_run_the_models_one_forward():
+    """The session has no block of its own: its first forward (empty cache) is the bidirectional forward of
+    the chunk, bit for bit."""
+    assert not {"_block", "_self_attn", "_cross_attn", "_rope"} & set(vars(FastSession))
+    model = tiny_model()
+    y, ctx, cam = tiny_inputs()
+    s = FastSession(model, ctx, y, (9, 4, 6), FastConfig(), "cpu")
+    flows = record_forwards(s)
+    s.next_chunk(cam[:, :, :3])
+    noise = torch.randn(16, 9, 4, 6, generator=torch.Generator().manual_seed(FastConfig().seed))[:, :3]
+    with torch.no_grad():
+        want = model(noise, s.timesteps[0].reshape(1), ctx, y=y[:, :3], cam=cam[:, :, :3])
+    assert torch.equal(flows[0], want)
+
+
+def test_lean_activations_run_the_chunks_too():
+    model = tiny_model()  # bf16 compute: the lean blocks equal the normal ones bit for bit on the CPU
+    y, ctx, cam = tiny_inputs()
+    fast = FastConfig(local_attn_size=6, sink_size=3)
+    want = generate_fast(model, ctx, y, cam, (9, 4, 6), fast, "cpu")
+    model.lean_activations, model.lean_chunk = True, 7
+    try:
+        got = generate_fast(model, ctx, y, cam, (9, 4, 6), fast, "cpu")
+    finally:
+        model.lean_activations = False
+    assert torch.equal(got, want)
+
+
 def test_generate_fast_is_the_session_loop_and_windows_matter():
     model = tiny_model()
     y, ctx, cam = tiny_inputs(lat=(12, 4, 6))
@@ -216,12 +244,6 @@ def test_bad_inputs_are_refused():
         s.next_chunk(cam)  # the whole clip instead of the chunk's slice
     with pytest.raises(ValueError, match="cam: expected"):
         generate_fast(model, ctx, y, cam[:, :, :6], (9, 4, 6), FastConfig(), "cpu")
-    model.sequence_parallel = object()
-    try:
-        with pytest.raises(ValueError, match="sequence parallel"):
-            FastSession(model, ctx, y, (9, 4, 6), FastConfig(), "cpu")
-    finally:
-        model.sequence_parallel = None
 
 
 def load_nf4(path):

@@ -129,6 +129,23 @@ def test_plan_a_chunked_model(name, capsys):
     assert "fits: 80.0 GiB of VRAM (--vram)" in out
 
 
+def test_plan_a_chunked_model_per_rank_of_sequence_parallel(capsys):
+    """Each of N ranks holds 1/N of the self-attention cache; a size that does not split the 1.3B's 12 heads
+    is refused naming the ones that do."""
+    kind = CHUNKED_KINDS["v2-14b"]
+    config = FastConfig(local_attn_size=kind.local_attn_size, sink_size=kind.sink_size)
+    assert cli.main(["plan", "--model", "v2-14b", "--ulysses_size", "2", "--vram", "80"]) == 0
+    out = capsys.readouterr().out
+    caches = kv_cache_bytes_for(kind.dit, (20, 58, 104), config, ranks=2)
+    assert caches < kv_cache_bytes_for(kind.dit, (20, 58, 104), config)
+    assert "per GPU of 2 (sequence parallel)" in out and f"attention caches {caches / GIB:.2f} + " in out
+    assert cli.main(["plan", "--model", "v2-1.3b", "--ulysses_size", "5"]) == 2
+    assert (
+        "--ulysses_size 5 must divide the model's 12 attention heads (1, 2, 3, 4, 6, 12)"
+        in capsys.readouterr().err
+    )
+
+
 def test_plan_a_chunked_model_that_does_not_fit_names_what_would(capsys):
     assert cli.main(["plan", "--model", "fast", "--vram", "24"]) == 2
     err = capsys.readouterr().err

@@ -1,17 +1,11 @@
 """Sequence parallel (Ulysses) on the CPU with gloo: N ranks give the one-process result."""
 
-import socket
-
 import parallel_worker as worker
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import check_torchrun_cli_equals_one_process, free_port, one_thread
+from lingbot_world.wan.fast import kv_cache_bytes_for
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -54,15 +48,8 @@ def test_process_group_waits_for_every_rank_and_never_hangs_on_a_failed_one(fail
 @pytest.mark.slow
 @pytest.mark.usefixtures("embedding_cache")
 def test_torchrun_cli_two_ranks_equals_one_process(nf4_ckpt, shipped_example, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from lingbot_world import cli
-    from lingbot_world.loaders.video import read_mp4_info
-    from safetensors.torch import load_file
-
-    def args(out, latent):
+    def args(name):
         return [
             "generate",
             "--ckpt_dir",
@@ -84,42 +71,14 @@ def test_torchrun_cli_two_ranks_equals_one_process(nf4_ckpt, shipped_example, tm
             "--t5_mode",
             "inprocess",
             "--output",
-            str(out),
+            str(tmp_path / f"{name}.mp4"),
             "--save_latent",
-            str(latent),
+            str(tmp_path / f"{name}.latent"),
         ]
 
     # torchrun starts each rank with OMP_NUM_THREADS=1; the reference runs with one thread too, since on some
     # CPUs (AMX/avx512-bf16 kernels) the thread count changes bf16 matmul rounding, which 3 steps amplify
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert cli.main(args(tmp_path / "one.mp4", tmp_path / "one.latent")) == 0
-    finally:
-        torch.set_num_threads(threads)
-    root = Path(__file__).resolve().parents[1]
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(root / "lingbot.py"),
-    ]
-    run = subprocess.run(
-        [*launch, *args(tmp_path / "two.mp4", tmp_path / "two.latent"), "--parallel", "auto"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
-    assert read_mp4_info(tmp_path / "two.mp4")["frames"] == 9
-    one, two = load_file(tmp_path / "one.latent"), load_file(tmp_path / "two.latent")
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-3)
+    check_torchrun_cli_equals_one_process(args, tmp_path, 9)
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".mp4") == ["one.mp4", "two.mp4"]
 
 
@@ -296,3 +255,34 @@ def test_step_cache_takes_the_shared_decision():
     assert [s for s, _ in local] == [False, False, True, True, True, True]
     vetoed = steps(lambda skip: False)  # rank 0 said compute: every step runs, the sum restarts each time
     assert all(not s and a == 0.0 for s, a in vetoed)
+
+
+@pytest.mark.parametrize("kind", ["fast", "v2-1.3b"])
+def test_chunked_generation_split_across_ranks_equals_one_process(kind, tmp_path):
+    """v1 Fast (3-frame chunks, tokens padded across the ranks) and v2 (4-frame chunks) with a rolling window
+    and a sink: two ranks give the one-process clip, each rank's K/V cache holding half the heads (as the
+    planner counts it)."""
+    with one_thread():  # as the spawned ranks run
+        expected, cache = worker.fast_generate(kind)
+    mp.spawn(worker.fast_rank, args=(2, free_port(), str(tmp_path), kind), nprocs=2)
+    model, config = worker.tiny_model(), worker.fast_settings(kind)
+    planned = [kv_cache_bytes_for(model.config, worker.FAST_LAT, config, torch.float32, n) for n in (1, 2)]
+    assert cache == planned[0]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["latent"].shape == expected.shape and got["cache"] == planned[1] < cache
+        torch.testing.assert_close(got["latent"], expected, rtol=1e-4, atol=1e-4)  # fp32: GEMM rounding
+
+
+def test_chunked_session_refuses_a_degree_that_does_not_split_the_heads():
+    from lingbot_world.wan.fast import FastConfig, FastSession
+
+    model = worker.tiny_model()  # 4 heads
+    sp = object.__new__(worker.SequenceParallel)  # a 3-rank group's view, with no group to start
+    sp.world, sp.rank, sp.group = 3, 0, None
+    model.sequence_parallel = sp
+    y, context = torch.zeros(20, *worker.FAST_LAT), torch.zeros(7, 32)
+    with pytest.raises(
+        ValueError, match=r"ulysses_size 3 must divide the model's 4 attention heads \(1, 2, 4\)"
+    ):
+        FastSession(model, context, y, worker.FAST_LAT, FastConfig(), "cpu")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fast_args, node_inputs, record_forwards
+from helpers import check_torchrun_cli_equals_one_process, fast_args, node_inputs, record_forwards
 from lingbot_world import cli
 from lingbot_world.loaders import doctor, fast_run
 from lingbot_world.loaders import fast_checkpoint as FC
@@ -466,3 +466,38 @@ def test_doctor_checks_v2_folders(repo13, repo14, capsys):
     assert checks["Fast model"].ok and "v2-1.3b" in checks["Fast model"].detail and checks["VAE"].ok
     (bad,) = [c for c in doctor.check_checkpoints(repo13) if not c.ok]
     assert "--assets_dir" in bad.detail
+
+
+@pytest.mark.usefixtures("nothing_loads")
+def test_a_degree_that_does_not_split_the_heads_exits_2_before_loading(
+    repo14, shipped_example, tmp_path, capsys
+):
+    """The tiny v2 DiT has 2 heads: --ulysses_size 3 is refused naming the degrees that work, before torchrun's
+    world is even checked and before anything loads."""
+    out = tmp_path / "never.mp4"
+    assert cli.main(fast_args(repo14, shipped_example, out, "--ulysses_size", "3")) == 2
+    err = capsys.readouterr().err
+    assert "--ulysses_size 3 must divide the model's 2 attention heads (1, 2)" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    assert cli.main(fast_args(repo14, shipped_example, out, "--ulysses_size", "2")) == 2  # not under torchrun
+    assert "torchrun --nproc_per_node 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("embedding_cache")
+def test_fast_under_torchrun_two_ranks_equals_one_process(repo13, repo14, shipped_example, tmp_path):
+    """`torchrun --nproc_per_node 2 lingbot.py fast ... --parallel auto` on the 1.3B layout: rank 0 alone
+    writes the MP4, whose latent is the one-process run's."""
+
+    def args(name):
+        extra = ["--assets_dir", str(repo14), "--action_path", str(shipped_example), "--frame_num", "29"]
+        return fast_args(
+            repo13,
+            shipped_example,
+            tmp_path / f"{name}.mp4",
+            *extra,
+            "--save_latent",
+            str(tmp_path / f"{name}.latent"),
+        )
+
+    check_torchrun_cli_equals_one_process(args, tmp_path, 29)

@@ -14,6 +14,7 @@ chunk, updating the residual in place (`WanAttentionBlock.forward_lean`); values
 row blocking.
 """
 
+import functools
 import math
 
 import torch
@@ -218,48 +219,83 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def forward(self, x, grid, freqs, dtype):
+    def qkv(self, x, dtype, out=None):
+        """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`.
+        `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
+        at a time: the lean blocks)."""
         n, d = self.num_heads, self.head_dim
-        q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
-        k = self.norm_k(linear(self.k, x, dtype)).view(-1, n, d)
-        v = linear(self.v, x, dtype).view(-1, n, d)
+        makers = (
+            lambda: self.norm_q(linear(self.q, x, dtype)),
+            lambda: self.norm_k(linear(self.k, x, dtype)),
+            lambda: linear(self.v, x, dtype),
+        )
+        if out is None:
+            return [make().view(-1, n, d) for make in makers]
+        for buf, make in zip(out, makers, strict=True):
+            buf.copy_(make().view(-1, n, d))
 
-        # Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going
-        # straight to `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory.
+    def attend(self, q, k, v, grid, freqs, dtype, keys=None, in_place=False):
+        """RoPE on q and k, then attention of q over the keys: [L, heads, head_dim] in, the attention output
+        out. `keys(k, v)`: the keys and values the queries attend to, given this call's rotated k and v
+        (None: themselves, bidirectional; a chunk-causal cache writes them and returns cache + chunk).
+        Under sequence parallel (`wan.parallel.current`) q, k, v are the local token slices and this runs on
+        the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers.
+
+        Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going straight to
+        `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory."""
+
         def core(q, k, v):
-            q = rope_apply(q, grid, freqs, dtype)
-            k = rope_apply(k, grid, freqs, dtype)
+            q = rope_apply(q, grid, freqs, dtype, out=q if in_place else None)
+            k = rope_apply(k, grid, freqs, dtype, out=k if in_place else None)
+            if keys is not None:
+                k, v = keys(k, v)
             return attention(q, k, v, dtype)
 
         sp = parallel.current()  # sequence parallel: local tokens in, the heads' full sequence inside
-        out = core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
+        return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
+
+    def forward(self, x, grid, freqs, dtype, keys=None):
+        q, k, v = self.qkv(x, dtype)
+        out = self.attend(q, k, v, grid, freqs, dtype, keys)
         del q, k, v
         return linear(self.o, out.flatten(1), dtype)
 
 
 class WanCrossAttention(WanSelfAttention):
     def forward(self, x, context, dtype):
-        n, d = self.num_heads, self.head_dim
-        q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
-        k = self.norm_k(linear(self.k, context, dtype)).view(-1, n, d)
-        v = linear(self.v, context, dtype).view(-1, n, d)
-        out = attention(q, k, v, dtype).to(q.dtype)
-        return linear(self.o, out.flatten(1), dtype)
+        return self.attend(x, *self.context_kv(context, dtype), dtype)
 
     def context_kv(self, context, dtype):
-        """The text's keys and values [text_len, heads, d], as `forward` computes them (lean blocks
-        compute them once and attend chunk by chunk)."""
+        """The text's keys and values [text_len, heads, d] (see `Bidirectional.text_kv`)."""
         n, d = self.num_heads, self.head_dim
         k = self.norm_k(linear(self.k, context, dtype)).view(-1, n, d)
         v = linear(self.v, context, dtype).view(-1, n, d)
         return k, v
 
     def attend(self, x, k, v, dtype):
-        """`forward` for queries `x` against keys and values from `context_kv`."""
+        """Queries of tokens `x` against keys and values from `context_kv`, through the o-projection."""
         n, d = self.num_heads, self.head_dim
         q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
         out = attention(q, k, v, dtype).to(q.dtype)
         return linear(self.o, out.flatten(1), dtype)
+
+
+class Bidirectional:
+    """The pluggable piece of the one DiT block (`WanAttentionBlock.forward`): which keys and values its
+    attention reads. This one is the bidirectional experts': self-attention over the forward's own tokens,
+    cross-attention over text keys computed in every block from the forward's embedded text.
+    `wan.fast.ChunkCausal` is the chunk-causal one (a K/V cache of the past chunks, text keys kept)."""
+
+    def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Block `layer`'s rotated keys and values of this forward -> what its queries attend to."""
+        return k, v
+
+    def text_kv(self, layer: int, cross: "WanCrossAttention", context, dtype):
+        """Block `layer`'s text keys and values (`cross.context_kv` of the embedded text `context`)."""
+        return cross.context_kv(context, dtype)
+
+
+BIDIRECTIONAL = Bidirectional()
 
 
 class WanAttentionBlock(nn.Module):
@@ -280,73 +316,75 @@ class WanAttentionBlock(nn.Module):
             self.cam_scale_layer = nn.Linear(dim, dim)
             self.cam_shift_layer = nn.Linear(dim, dim)
 
-    def forward(self, x, e0, grid, freqs, context, cam, dtype):
-        """x: [L, C] (bf16 into block 0, fp32 after); e0: [1, 6, C] fp32; cam: [L, C] or None."""
-        e = (self.modulation.float() + e0)[0].unbind(0)  # six [C] fp32 vectors; x stays [L, C]
-        y = self.self_attn(self.norm1(x).float() * (1 + e[1]) + e[0], grid, freqs, dtype)
+    def forward(self, x, e0, grid, freqs, context, cam, dtype, layer=0, kv=BIDIRECTIONAL):
+        """x: [L, C] (bf16 into block 0, fp32 after); e0: [1, 6, C] fp32; cam: [L, C] or None. `layer`: this
+        block's index, `kv`: the keys its attention reads (`Bidirectional`, or a chunk-causal cache)."""
+        e = self.modulation_vectors(e0)
+        y = self.self_attn(
+            self.attention_input(x, e), grid, freqs, dtype, functools.partial(kv.self_kv, layer)
+        )
         x = x + y * e[2]
         if cam is not None:
-            h = linear(self.cam_injector_layer1, cam, dtype)
-            h = linear(self.cam_injector_layer2, F.silu(h), dtype) + cam
-            scale = linear(self.cam_scale_layer, h, dtype)
-            shift = linear(self.cam_shift_layer, h, dtype)
+            scale, shift = self.camera(cam, dtype)
             x = (1.0 + scale) * x + shift
-        x = x + self.cross_attn(self.norm3(x), context, dtype)
-        h = self.norm2(x).float() * (1 + e[4]) + e[3]
-        return x + self.feed_forward(h, dtype) * e[5]
+        x = x + self.cross_attn.attend(
+            self.norm3(x), *kv.text_kv(layer, self.cross_attn, context, dtype), dtype
+        )
+        return x + self.ffn_output(x, e, dtype)
 
-    def forward_lean(self, x, e0, grid, freqs, context, cam, dtype, chunk: int = LEAN_CHUNK):
+    def modulation_vectors(self, e0):
+        """The block's six [C] fp32 modulation vectors (shift, scale, gate of attention; then of the FFN)."""
+        return (self.modulation.float() + e0)[0].unbind(0)
+
+    def attention_input(self, x, e):
+        return self.norm1(x).float() * (1 + e[1]) + e[0]
+
+    def camera(self, cam, dtype):
+        """The camera injection's (scale, shift) of camera tokens `cam`: x becomes (1 + scale) * x + shift."""
+        h = linear(self.cam_injector_layer1, cam, dtype)
+        h = linear(self.cam_injector_layer2, F.silu(h), dtype) + cam
+        return linear(self.cam_scale_layer, h, dtype), linear(self.cam_shift_layer, h, dtype)
+
+    def ffn_output(self, x, e, dtype):
+        """norm2, modulation, the FFN and its gate: what the block adds to x last."""
+        return self.feed_forward(self.norm2(x).float() * (1 + e[4]) + e[3], dtype) * e[5]
+
+    def forward_lean(
+        self, x, e0, grid, freqs, context, cam, dtype, chunk: int = LEAN_CHUNK, layer=0, kv=BIDIRECTIONAL
+    ):
         """`forward` with only the full-length tensors alive: the fp32 residual (updated in place, and
         returned; block 0 makes its fp32 copy), the camera tokens, q/k/v and the attention output, plus
-        one `chunk` of tokens' temporaries. Same formulas and dtypes as `forward`, token by token, so the
+        one `chunk` of tokens' temporaries. The same sub-steps as `forward`, token chunk by chunk, so the
         values equal it up to how GEMMs block rows (the chunks are smaller GEMMs).
 
         1. per chunk: norm1 + modulation, the q/k/v projections (and q/k norms) into full buffers;
-        2. RoPE in place, then attention over the whole sequence (sequence parallel: over the local
-           slices, as `WanSelfAttention`);
+        2. RoPE in place, then attention over the whole sequence (`WanSelfAttention.attend`);
         3. per chunk: the o-projection into x, the camera injection, cross-attention against the text
            keys/values (computed once per block), norm2 + FFN, each updating the chunk of x in place.
         """
-        e = (self.modulation.float() + e0)[0].unbind(0)
-        attn, cross = self.self_attn, self.cross_attn
+        e = self.modulation_vectors(e0)
+        attn = self.self_attn
         n, d = attn.num_heads, attn.head_dim
         length = x.shape[0]
         spans = [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
         q, k, v = (torch.empty(length, n, d, dtype=dtype, device=x.device) for _ in range(3))
         for s, t in spans:
-            h = self.norm1(x[s:t]).float() * (1 + e[1]) + e[0]
-            q[s:t] = attn.norm_q(linear(attn.q, h, dtype)).view(-1, n, d)
-            k[s:t] = attn.norm_k(linear(attn.k, h, dtype)).view(-1, n, d)
-            v[s:t] = linear(attn.v, h, dtype).view(-1, n, d)
-            del h
-
-        def core(q, k, v):  # in place: the pre-RoPE q and k are not kept beside the rotated ones
-            rope_apply(q, grid, freqs, dtype, out=q)
-            rope_apply(k, grid, freqs, dtype, out=k)
-            return attention(q, k, v, dtype)
-
-        sp = parallel.current()
-        out = core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
+            attn.qkv(self.attention_input(x[s:t], e), dtype, out=(q[s:t], k[s:t], v[s:t]))
+        # in place: the pre-RoPE q and k are not kept beside the rotated ones
+        out = attn.attend(q, k, v, grid, freqs, dtype, functools.partial(kv.self_kv, layer), in_place=True)
         del q, k, v
         if x.dtype != torch.float32 or not x.is_contiguous():  # block 0: the residual becomes fp32 here
             x = x.to(torch.float32, memory_format=torch.contiguous_format)
-        text_k, text_v = cross.context_kv(context, dtype)
+        text_k, text_v = kv.text_kv(layer, self.cross_attn, context, dtype)
         for s, t in spans:
             xc = x[s:t]
             xc.add_(linear(attn.o, out[s:t].flatten(1), dtype) * e[2])
             if cam is not None:
-                c = cam[s:t]
-                h = linear(self.cam_injector_layer1, c, dtype)
-                h = linear(self.cam_injector_layer2, F.silu(h), dtype) + c
-                scale = linear(self.cam_scale_layer, h, dtype)
-                shift = linear(self.cam_shift_layer, h, dtype)
-                del h
+                scale, shift = self.camera(cam[s:t], dtype)
                 xc.mul_(1.0 + scale).add_(shift)
                 del scale, shift
-            xc.add_(cross.attend(self.norm3(xc), text_k, text_v, dtype))
-            h = self.norm2(xc).float() * (1 + e[4]) + e[3]
-            xc.add_(self.feed_forward(h, dtype) * e[5])
-            del h
+            xc.add_(self.cross_attn.attend(self.norm3(xc), text_k, text_v, dtype))
+            xc.add_(self.ffn_output(xc, e, dtype))
         return x
 
     def feed_forward(self, h: torch.Tensor, dtype) -> torch.Tensor:
@@ -470,10 +508,20 @@ class WanModel(nn.Module):
     def from_config(cls, config: DiTConfig) -> "WanModel":
         return cls(**vars(config))
 
-    def _rope(self, device):
+    def _rope(self, device, start_frame: int = 0):
+        """The complex128 RoPE table on `device`, its temporal band starting at frame `start_frame` (a chunk of a
+        chunked generation sits at its absolute frame position; rows past the table's end are zero, never
+        read: the chunked models check the clip's length against ROPE_FRAMES)."""
         if self._freqs is None or self._freqs.device != device:
             self._freqs = rope_freqs(self.blocks[0].self_attn.head_dim).to(device)
-        return self._freqs
+        freqs = self._freqs
+        if not start_frame:
+            return freqs
+        c = freqs.shape[1]
+        c0 = c - 2 * (c // 3)
+        band0 = freqs[start_frame:, :c0]
+        band0 = torch.cat([band0, band0.new_zeros(freqs.shape[0] - band0.shape[0], c0)])
+        return torch.cat([band0, freqs[:, c0:]], dim=1)
 
     def time_embed(self, t: torch.Tensor):
         """Timestep [1] -> (e [1, C], e0 [1, 6, C]) in fp32; every token shares them in i2v."""
@@ -515,9 +563,32 @@ class WanModel(nn.Module):
         (mask + image latent); cam: packed camera tensor [1, C, F, H, W] or None.
         Returns the flow prediction [out_dim, F, H, W] in fp32.
         """
-        dtype = self.compute_dtype
         if y is None:
             raise ValueError("i2v model needs the image condition y [20, F, H, W]")
+        if context.shape[0] > self.text_len:
+            raise ValueError(f"context has {context.shape[0]} tokens, more than text_len {self.text_len}")
+        # no local here holds the camera tokens: the lean forward lets them go before the head
+        return self.forward_tokens(
+            x,
+            y,
+            t,
+            self.embed_text(context),
+            None if cam is None else self.embed_camera(cam, self.compute_dtype),
+            seq_len=seq_len,
+        )
+
+    def forward_tokens(self, x, y, t, context, cam_tokens, start_frame=0, kv=BIDIRECTIONAL, seq_len=None):
+        """The prediction from embedded inputs: the one forward of the bidirectional experts (`forward`) and of
+        the chunked models (`wan.fast`, one chunk at a time).
+
+        x, y: latent and i2v condition [16 | 20, F, H, W]; t: timestep tensor; context: embedded text
+        [text_len, dim] (`embed_text`; None when `kv` keeps the text's keys from an earlier forward);
+        cam_tokens: `embed_camera` of the camera [F*H*W/4, dim] or None; start_frame: the latent frame the
+        tokens start at (RoPE); kv: the attention's keys (`Bidirectional`, or `wan.fast.ChunkCausal`).
+        Patch embedding, RoPE, the blocks (block swap, compiled runner, lean, sequence parallel), head and
+        unpatchify run here once for every model kind.
+        """
+        dtype = self.compute_dtype
         x = torch.cat([x, y], dim=0)
         w = self.patch_embedding.weight
         x = F.conv3d(
@@ -530,19 +601,13 @@ class WanModel(nn.Module):
         x = x.flatten(1).transpose(0, 1)  # [L, dim]
         if seq_len is not None and x.shape[0] > seq_len:
             raise ValueError(f"seq_len {seq_len} is shorter than the {x.shape[0]} video tokens")
-
         e, e0 = self.time_embed(t)
-        if context.shape[0] > self.text_len:
-            raise ValueError(f"context has {context.shape[0]} tokens, more than text_len {self.text_len}")
-        context = self.embed_text(context)
-
-        cam_tokens = None if cam is None else self.embed_camera(cam, dtype)
         if cam_tokens is not None and cam_tokens.shape[0] != x.shape[0]:
             raise ValueError(
                 f"camera tensor gives {cam_tokens.shape[0]} tokens, the video has {x.shape[0]}; "
                 "lat_f/lat_h/lat_w must match the latent"
             )
-        freqs = self._rope(x.device)
+        freqs = self._rope(x.device, start_frame)
         run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
         # compiled blocks get RoPE as real (cos, sin) pairs; a runner that fell back runs the complex table
         run_freqs = (
@@ -559,17 +624,19 @@ class WanModel(nn.Module):
         if sp is not None:
             x = sp.split(x)
             cam_tokens = None if cam_tokens is None else sp.split(cam_tokens)
+        # the bidirectional blocks take today's arguments (one compiled graph for all blocks); others add theirs
+        extra = (lambda i: ()) if kv is BIDIRECTIONAL else (lambda i: (i, kv))
         with parallel.use(sp):  # read by WanSelfAttention
             try:
                 for i, block in enumerate(self.blocks):
                     if swap is not None:
                         swap.before(i)
                     if lean:
-                        x = block.forward_lean(x, e0, grid, freqs, context, cam_tokens, dtype, chunk)
+                        x = block.forward_lean(x, e0, grid, freqs, context, cam_tokens, dtype, chunk, i, kv)
                     elif run is None:
-                        x = block(x, e0, grid, freqs, context, cam_tokens, dtype)
+                        x = block(x, e0, grid, freqs, context, cam_tokens, dtype, *extra(i))
                     else:
-                        x = run(block, x, e0, grid, run_freqs, context, cam_tokens, dtype)
+                        x = run(block, x, e0, grid, run_freqs, context, cam_tokens, dtype, *extra(i))
                     if swap is not None:
                         swap.after(i)
             finally:
@@ -602,15 +669,16 @@ class WanModel(nn.Module):
 
 
 @torch.no_grad()
-def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
+def init_random_(model: nn.Module, seed: int = 0, device=None) -> nn.Module:
     """Fill every parameter with seeded random values (tests, benchmarks, the demo; real use loads weights).
 
     Weights get std 1/sqrt(fan_in) so activations keep their scale through the blocks; upstream's own
-    init zeroes the head and the camera biases, which would make outputs trivially zero.
+    init zeroes the head and the camera biases, which would make outputs trivially zero. `device`: where
+    the generator draws (default the CPU; a GPU's fills a full-size model there in seconds).
     """
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device or "cpu").manual_seed(seed)
     for name, p in model.named_parameters():
-        r = torch.randn(p.shape, generator=g)
+        r = torch.randn(p.shape, generator=g, device=g.device)
         if name.endswith(("norm_q.weight", "norm_k.weight", "norm3.weight")):
             p.copy_(1 + 0.1 * r)
         elif p.dim() >= 2 and "modulation" not in name:

@@ -22,16 +22,19 @@ checkpoint has a base-cam expert's keys and shapes; the window and sink are run 
   device (upstream's is a CUDA generator on its GPU), so a CUDA run reproduces upstream's noise and a
   CPU run gives CPU noise for the same seed.
 
-The forward reuses the expert's blocks (their Linear layers through `wan.dit.linear`, so 4-bit and
-LoRA layers work), `rope_apply`, the active `wan.attention` backend and the expert's block swap hooks.
-Compiled block runners (`WanModel.block_runner`) are not used here and sequence parallel is refused.
+Each forward is the model's one forward (`WanModel.forward_tokens`: the same blocks, block swap, lean
+activations and attention backend as the bidirectional experts) with RoPE from the chunk's first frame and
+the chunk-causal keys (`ChunkCausal`: the K/V cache and the kept text keys) as its pluggable piece.
+Under sequence parallel (`WanModel.sequence_parallel`, `wan.parallel`) every rank runs the same session: the
+same noise (same seed), the same schedule and the same cache placement; a chunk's tokens are split across
+the ranks and each rank's self-attention sees the whole chunk for its share of the heads, so its K/V cache
+holds those heads only (1/N of the cache per rank); the text keys, per token work, are kept whole.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import i2v
 from .config import (
@@ -43,7 +46,7 @@ from .config import (
     DiTConfig,
     max_frame_num,
 )
-from .dit import attention, linear, rope_apply
+from .dit import Bidirectional
 from .pipeline import Hooks
 from .schedulers import sampling_sigmas
 
@@ -163,14 +166,17 @@ def _cache_frames(lat_f: int, fast: FastConfig) -> int:
     return lat_f if fast.local_attn_size == -1 else min(fast.local_attn_size, lat_f)
 
 
-def kv_cache_bytes_for(config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16) -> int:
-    """Bytes the self- and cross-attention caches of a Fast generation hold (planner)."""
+def kv_cache_bytes_for(
+    config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16, ranks: int = 1
+) -> int:
+    """Bytes the self- and cross-attention caches of a Fast generation hold (planner), on each of `ranks`
+    sequence-parallel ranks (each keeps its share of the heads' self-attention keys, the text keys whole)."""
     lat_f, lat_h, lat_w = lat_shape
     itemsize = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     tokens = _frame_seqlen(lat_h, lat_w, config.patch_size) * _cache_frames(lat_f, fast)
     per_token = 2 * config.num_layers * config.dim
     return per_token * (
-        tokens * itemsize(fast.kv_dtype or compute_dtype) + config.text_len * itemsize(compute_dtype)
+        tokens * itemsize(fast.kv_dtype or compute_dtype) // ranks + config.text_len * itemsize(compute_dtype)
     )
 
 
@@ -234,16 +240,34 @@ class SelfKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
+class ChunkCausal(Bidirectional):
+    """The chunk-causal keys of a chunked generation (the pluggable piece of `wan.dit`'s one block): a block's
+    self-attention writes the chunk's rotated keys and values into the `SelfKVCache` at clip token `start`
+    and attends over the cached past and the chunk; its cross-attention reads the text's keys, computed on
+    the first forward (from the embedded text) and kept for the whole generation."""
+
+    def __init__(self, cache: SelfKVCache, num_layers: int):
+        self.cache = cache
+        self.start = 0  # clip token where the chunk of the forward now running starts
+        self.text: list = [None] * num_layers
+
+    def self_kv(self, layer, k, v):
+        return self.cache.write(layer, k, v, self.start)
+
+    def text_kv(self, layer, cross, context, dtype):
+        if self.text[layer] is None:
+            self.text[layer] = cross.context_kv(context, dtype)
+        return self.text[layer]
+
+
 class FastSession:
     """One Fast generation: all noise drawn at construction (upstream's RNG order), y/context fixed."""
 
     def __init__(self, model, context, y, lat_shape, config: FastConfig, device, hooks=None):
         config.validate()
-        if getattr(model, "sequence_parallel", None) is not None:
-            raise ValueError(
-                "Fast generation does not support sequence parallel yet: run it on one GPU "
-                "(model.sequence_parallel must be None)"
-            )
+        sp = getattr(model, "sequence_parallel", None)
+        if sp is not None:
+            sp.check_heads(model.blocks[0].self_attn.num_heads)
         if not (isinstance(lat_shape, (tuple, list)) and len(lat_shape) == 3):
             raise ValueError(f"lat_shape: expected (lat_f, lat_h, lat_w), got {lat_shape!r}")
         lat_f, lat_h, lat_w = (int(v) for v in lat_shape)
@@ -271,7 +295,6 @@ class FastSession:
         self.num_chunks = lat_f // chunk
         self.done = 0
         self.frame_seqlen = _frame_seqlen(lat_h, lat_w, p)
-        self._grid = (chunk // p[0], lat_h // p[1], lat_w // p[2])  # one chunk's token grid
         self._skip_commit = False  # tests only: leave the cache with the last step's noisy keys
 
         self.generator = torch.Generator(device=self.device)
@@ -298,14 +321,14 @@ class FastSession:
         self._cache = SelfKVCache(
             len(model.blocks),
             self.frame_seqlen * _cache_frames(lat_f, config),
-            blk.num_heads,
+            blk.num_heads // (1 if sp is None else sp.world),  # sequence parallel: this rank's heads
             blk.head_dim,
             config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
             config.kv_dtype or dtype,
             dtype,
             self.device,
         )
-        self._cross: list | None = [None] * len(model.blocks)
+        self._kv = ChunkCausal(self._cache, len(model.blocks))
         self._chunks: list[torch.Tensor] = []
         self._closed = False
 
@@ -322,84 +345,25 @@ class FastSession:
 
     # --- the causal forward ---------------------------------------------------------------------
 
-    def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam_tokens, freqs) -> torch.Tensor:
-        """One forward of chunk `chunk` at timestep t; `cam_tokens` and `freqs` (RoPE from the chunk's first
-        frame) are the chunk's, the same for all its forwards."""
-        m = self.model
-        dtype = m.compute_dtype
-        x = torch.cat([latent, self._y[chunk]], dim=0)
-        w = m.patch_embedding.weight
-        x = F.conv3d(
-            x.unsqueeze(0).to(dtype), w.to(dtype), m.patch_embedding.bias.to(dtype), stride=m.patch_size
-        )[0]
-        grid = tuple(x.shape[1:])
-        x = x.flatten(1).transpose(0, 1)  # [L, dim]
-        e, e0 = m.time_embed(t.reshape(1).to(self.device))
-        start = chunk * self.chunk * self.frame_seqlen
-        swap = m.block_swap
-        try:
-            for i, block in enumerate(m.blocks):
-                if swap is not None:
-                    swap.before(i)
-                x = self._block(i, block, x, e0, grid, freqs, cam_tokens, start, dtype)
-                if swap is not None:
-                    swap.after(i)
-        finally:
-            if swap is not None:
-                swap.finish()
-        self._cache.advance(start, x.shape[0])
-        x = m.head(x, e)
-        return m.unpatchify(x.to(dtype), grid)
-
-    def _rope(self, grid, start_frame: int) -> torch.Tensor:
-        """The model's RoPE table with the temporal band starting at frame `start_frame`."""
-        freqs = self.model._rope(self.device)
-        c = freqs.shape[1]
-        c0 = c - 2 * (c // 3)
-        f = grid[0]
-        rows = max(grid)
-        band0 = freqs[start_frame : start_frame + f, :c0]
-        if rows > f:
-            band0 = torch.cat([band0, band0.new_zeros(rows - f, c0)])  # never read: only [:f] is used
-        return torch.cat([band0, freqs[:rows, c0:]], dim=1)
-
-    def _block(self, i, block, x, e0, grid, freqs, cam, start, dtype):
-        e = (block.modulation.float() + e0)[0].unbind(0)
-        y = self._self_attn(
-            i, block.self_attn, block.norm1(x).float() * (1 + e[1]) + e[0], grid, freqs, start
+    def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam_tokens) -> torch.Tensor:
+        """One forward of chunk `chunk` at timestep t (`cam_tokens`: the chunk's, the same for all its forwards):
+        the model's one forward with RoPE from the chunk's first frame and the chunk-causal keys."""
+        m, kv = self.model, self._kv
+        kv.start = chunk * self.chunk * self.frame_seqlen
+        context = (
+            m.embed_text(self._context) if kv.text[0] is None else None
+        )  # first forward: the text's keys
+        flow = m.forward_tokens(
+            latent,
+            self._y[chunk],
+            t.reshape(1).to(self.device),
+            context,
+            cam_tokens,
+            start_frame=chunk * self.chunk,
+            kv=kv,
         )
-        x = x + y * e[2]
-        if cam is not None:
-            h = linear(block.cam_injector_layer1, cam, dtype)
-            h = linear(block.cam_injector_layer2, F.silu(h), dtype) + cam
-            x = (1.0 + linear(block.cam_scale_layer, h, dtype)) * x + linear(block.cam_shift_layer, h, dtype)
-        x = x + self._cross_attn(i, block.cross_attn, block.norm3(x), dtype)
-        h = block.norm2(x).float() * (1 + e[4]) + e[3]
-        return x + block.feed_forward(h, dtype) * e[5]
-
-    def _self_attn(self, i, sa, x, grid, freqs, start):
-        dtype = self.model.compute_dtype
-        n, d = sa.num_heads, sa.head_dim
-        q = sa.norm_q(linear(sa.q, x, dtype)).view(-1, n, d)
-        k = sa.norm_k(linear(sa.k, x, dtype)).view(-1, n, d)
-        v = linear(sa.v, x, dtype).view(-1, n, d)
-        q = rope_apply(q, grid, freqs, dtype)
-        k = rope_apply(k, grid, freqs, dtype)
-        k, v = self._cache.write(i, k, v, start)
-        out = attention(q, k, v, dtype)
-        del q, k, v
-        return linear(sa.o, out.flatten(1), dtype)
-
-    def _cross_attn(self, i, ca, x, dtype):
-        if self._cross[i] is None:  # first forward of the generation: the text's keys, once per layer
-            if self._text_emb is None:
-                self._text_emb = self.model.embed_text(self._context)
-            self._cross[i] = ca.context_kv(self._text_emb, dtype)
-            if i == len(self._cross) - 1:
-                self._text_emb = None
-        return ca.attend(x, *self._cross[i], dtype)
-
-    _text_emb = None
+        self._cache.advance(kv.start, self.chunk * self.frame_seqlen)
+        return flow
 
     # --- the chunk loop -------------------------------------------------------------------------
 
@@ -430,12 +394,11 @@ class FastSession:
         try:
             m = self.model
             cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
-            freqs = self._rope(self._grid, k * self.chunk)
             latent = self._noise[k]
             steps = self.timesteps
             for j, t in enumerate(steps):
                 self.hooks.check()
-                flow = self._forward(latent, t, k, cam_tokens, freqs)
+                flow = self._forward(latent, t, k, cam_tokens)
                 x0 = (latent.double() - self._sigma_x0(t) * flow.double()).to(flow.dtype)
                 if j == len(steps) - 1:
                     break
@@ -444,9 +407,7 @@ class FastSession:
                 latent = (1 - sigma) * x0 + sigma * eps
             self.hooks.check()
             if not self._skip_commit:
-                self._forward(
-                    x0, steps[-1] * 0.0, k, cam_tokens, freqs
-                )  # output discarded: refreshes the cache
+                self._forward(x0, steps[-1] * 0.0, k, cam_tokens)  # output discarded: refreshes the cache
             self._noise[k] = None
         except BaseException:
             self.close()
@@ -470,12 +431,11 @@ class FastSession:
         """Free the caches and the remaining noise (idempotent)."""
         self._closed = True
         self._cache.k, self._cache.v = [], []
-        self._cross = [None] * len(self.model.blocks)
-        self._text_emb = None
+        self._kv.text = [None] * len(self.model.blocks)
         self._noise = []
 
     def kv_cache_bytes(self) -> int:
-        cross = sum(t.numel() * t.element_size() for kv in self._cross if kv is not None for t in kv)
+        cross = sum(t.numel() * t.element_size() for kv in self._kv.text if kv is not None for t in kv)
         return self._cache.nbytes() + cross
 
 

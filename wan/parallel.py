@@ -27,6 +27,9 @@ What else runs under it, and why it needs nothing of the collectives:
   the same bytes on every rank; the decision is still taken from rank 0 (`agree`), so the ranks skip the
   same forwards and their collectives stay paired even where a reduction rounds differently on unlike GPUs.
 - compile is refused (`loaders.request.check_ulysses`): the compiled blocks would trace the collectives.
+- chunked generation (`wan.fast`): each chunk's forward splits its tokens like any other; the chunk-causal
+  keys are written inside `attention`'s core, where the rank holds the whole chunk for its H/N heads, so each
+  rank's K/V cache keeps its heads only (1/N of it) and its placement (token counts) is the same on every rank.
 
 The heads must split evenly (the A14B's 40 heads: N in 1, 2, 4, 5, 8, 10, 20, 40).
 
@@ -57,7 +60,7 @@ class SequenceParallel:
 
     def check_heads(self, num_heads: int) -> None:
         if num_heads % self.world:
-            raise ValueError(f"ulysses_size {self.world} must divide the model's {num_heads} attention heads")
+            raise ValueError(heads_issue(self.world, num_heads))
 
     def padded(self, length: int) -> int:
         return -(-length // self.world) * self.world
@@ -125,6 +128,19 @@ class SequenceParallel:
         """Rank 0's `flag` on every rank (a one-element tensor on `device`, which NCCL needs on the GPU)."""
         t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
         return bool(self.broadcast(t).item())
+
+
+def degrees(num_heads: int) -> list[int]:
+    """The sequence-parallel degrees a model of `num_heads` attention heads runs at: the divisors of its heads."""
+    return [n for n in range(1, num_heads + 1) if num_heads % n == 0]
+
+
+def heads_issue(size: int, num_heads: int) -> str | None:
+    """Why `size` ranks cannot split a model of `num_heads` heads (None: they can)."""
+    if num_heads % size == 0:
+        return None
+    works = ", ".join(map(str, degrees(num_heads)))
+    return f"ulysses_size {size} must divide the model's {num_heads} attention heads ({works})"
 
 
 def world_size() -> int:

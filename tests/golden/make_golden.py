@@ -507,6 +507,83 @@ def _record_forwards(model, calls: list):
     model.forward = forward
 
 
+def _chunk_inputs(seed: int, runs: dict, text_dim: int):
+    """(lat_h, lat_w, the stand-in VAE's image latent for the longest run, the text context)."""
+    g = torch.Generator().manual_seed(seed)
+    lat_h, lat_w = FAST_IMAGE_HW[0] // 8, FAST_IMAGE_HW[1] // 8
+    max_f = max((r["frame_num"] - 1) // 4 + 1 for r in runs.values())
+    return (
+        lat_h,
+        lat_w,
+        torch.randn(16, max_f, lat_h, lat_w, generator=g),
+        torch.randn(5, text_dim, generator=g),
+    )
+
+
+def _chunk_loop(
+    up, pipe_cls, state: dict, model, image_latent, context, run, chunk, tensors, name, **generate
+):
+    """One run of an upstream chunk loop (`pipe_cls.generate`, built without its __init__: `state` adds to the
+    attributes both versions read) with stand-in text encoder and VAE; records every forward's flow, timestep
+    and cache start and the final latent into `tensors` under `name`/. Returns (lat_f, y, cam) of the run."""
+    calls = []
+    _record_forwards(model, calls)
+    pipe = object.__new__(pipe_cls)
+    pipe.__dict__.update(
+        **state,
+        device=torch.device("cpu"),
+        rank=0,
+        t5_cpu=True,
+        num_train_timesteps=1000,
+        param_dtype=torch.bfloat16,
+        pipe_dtype=torch.float32,
+        local_attn_size=run["local_attn_size"],
+        sink_size=run["sink_size"],
+        vae_stride=(4, 8, 8),
+        patch_size=(1, 2, 2),
+        sp_size=1,
+        model=model,
+        vae=_StandInVae(image_latent),
+        _t5_cache={},
+        _cross_attn_initialized=False,
+        text_encoder=lambda texts, device: [context],
+        scheduler=up.unipc.FlowUniPCMultistepScheduler(
+            num_train_timesteps=1000, shift=1, use_dynamic_shifting=False
+        ),
+    )
+    img = np.zeros((*FAST_IMAGE_HW, 3), dtype=np.uint8)
+    pipe.generate(
+        "-",
+        img,
+        action_path=str(EXAMPLE),
+        chunk_size=chunk,
+        max_area=math.prod(FAST_IMAGE_HW),
+        frame_num=run["frame_num"],
+        seed=FAST_SEED,
+        offload_model=False,
+        max_sequence_length=model.text_len,
+        **generate,
+    )
+    latent = pipe.vae.decoded
+    lat_f = latent.shape[1]
+    assert len(calls) == 5 * (lat_f // chunk), len(calls)  # 4 steps + the commit pass per chunk
+    firsts = calls[::5]  # the first forward of each chunk
+    tensors[f"{name}/latent"] = latent
+    tensors[f"{name}/flows"] = torch.stack([c["out"] for c in calls])
+    tensors[f"{name}/t"] = torch.stack([c["t"].reshape(()).double() for c in calls])
+    tensors[f"{name}/start"] = torch.tensor([c["start"] for c in calls])
+    print(f"{pipe_cls.__name__} {name}: latent {list(latent.shape)}, {len(calls)} forwards", flush=True)
+    return lat_f, torch.cat([c["y"] for c in firsts], dim=1), torch.cat([c["cam"] for c in firsts], dim=2)
+
+
+def _longest_y(conds) -> torch.Tensor:
+    """One y kept: the longest run's (the others' are its prefixes)."""
+    y_all = max((y for y, _ in conds), key=lambda y: y.shape[1])
+    for y, _ in conds:
+        assert torch.equal(y_all[:, : y.shape[1]], y)
+    return y_all
+
+
 @torch.no_grad()
 def make_fast(up) -> tuple[dict, dict]:
     import importlib
@@ -515,11 +592,7 @@ def make_fast(up) -> tuple[dict, dict]:
     model_fast = importlib.import_module("wan.modules.model_fast")
     config = {k: v for k, v in DIT_CONFIG.items() if k != "window_size"}
     weights = None
-    g = torch.Generator().manual_seed(22)
-    lat_h, lat_w = FAST_IMAGE_HW[0] // 8, FAST_IMAGE_HW[1] // 8
-    max_f = max((r["frame_num"] - 1) // 4 + 1 for r in FAST_RUNS.values())
-    image_latent = torch.randn(16, max_f, lat_h, lat_w, generator=g)
-    context = torch.randn(5, config["text_dim"], generator=g)
+    lat_h, lat_w, image_latent, context = _chunk_inputs(22, FAST_RUNS, config["text_dim"])
     tensors, runs, conds = {"context": context}, [], []
     for name, run in FAST_RUNS.items():
         model = model_fast.WanModelFast(
@@ -528,64 +601,17 @@ def make_fast(up) -> tuple[dict, dict]:
         if weights is None:
             weights = _seeded_weights(model, 21)
         model.load_state_dict({k: v.float() for k, v in weights.items()})
-        calls = []
-        _record_forwards(model, calls)
-        pipe = object.__new__(fast.WanI2VFast)
-        pipe.__dict__.update(
-            device=torch.device("cpu"),
-            rank=0,
-            t5_cpu=True,
-            num_train_timesteps=1000,
-            param_dtype=torch.bfloat16,
-            pipe_dtype=torch.float32,
-            control_type="cam",
-            local_attn_size=run["local_attn_size"],
-            sink_size=run["sink_size"],
-            vae_stride=(4, 8, 8),
-            patch_size=(1, 2, 2),
-            sp_size=1,
-            model=model,
-            vae=_StandInVae(image_latent),
-            _t5_cache={},
-            _cross_attn_initialized=False,
-            text_encoder=lambda texts, device: [context],
-            scheduler=up.unipc.FlowUniPCMultistepScheduler(
-                num_train_timesteps=1000, shift=1, use_dynamic_shifting=False
-            ),
+        state = dict(control_type="cam")
+        lat_f, y, cam = _chunk_loop(
+            up, fast.WanI2VFast, state, model, image_latent, context, run, 3, tensors, name, shift=FAST_SHIFT
         )
-        img = np.zeros((*FAST_IMAGE_HW, 3), dtype=np.uint8)
-        pipe.generate(
-            "-",
-            img,
-            action_path=str(EXAMPLE),
-            chunk_size=3,
-            max_area=math.prod(FAST_IMAGE_HW),
-            frame_num=run["frame_num"],
-            shift=FAST_SHIFT,
-            seed=FAST_SEED,
-            offload_model=False,
-            max_sequence_length=config["text_len"],
-        )
-        latent = pipe.vae.decoded
-        lat_f = latent.shape[1]
-        firsts = calls[:: len(calls) // (lat_f // 3)]  # the first forward of each chunk
-        y = torch.cat([c["y"] for c in firsts], dim=1)
-        cam = torch.cat([c["cam"] for c in firsts], dim=2)
         conds.append((y, cam))
-        tensors[f"{name}/latent"] = latent
-        tensors[f"{name}/flows"] = torch.stack([c["out"] for c in calls])
-        tensors[f"{name}/t"] = torch.stack([c["t"].reshape(()).double() for c in calls])
-        tensors[f"{name}/start"] = torch.tensor([c["start"] for c in calls])
         runs.append({"key": name, "lat_f": lat_f, "lat_h": lat_h, "lat_w": lat_w, **run})
-        print(f"fast {name}: latent {list(latent.shape)}, {len(calls)} forwards", flush=True)
-    # one y kept: the longest run's (the others' are its prefixes); each run's camera (the relative
-    # poses differ with the clip length), in bf16 as upstream fed it
-    y_all = max((y for y, _ in conds), key=lambda y: y.shape[1])
-    for (y, cam), run in zip(conds, runs, strict=True):
-        assert torch.equal(y_all[:, : y.shape[1]], y)
+    # each run's camera (the relative poses differ with the clip length), in bf16 as upstream fed it
+    tensors["y"] = _longest_y(conds)
+    for (_, cam), run in zip(conds, runs, strict=True):
         tensors[f"{run['key']}/cam"] = cam.to(torch.bfloat16)
         assert torch.equal(tensors[f"{run['key']}/cam"].float(), cam)
-    tensors["y"] = y_all
     tensors.update({f"weights/{k}": v for k, v in weights.items()})
     cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
     return tensors, {"config": cfg, "runs": runs, "seed": FAST_SEED, "shift": FAST_SHIFT}
@@ -599,83 +625,40 @@ def make_v2(up) -> tuple[dict, dict]:
     # the v1 Fast golden model's weights (same keys and shapes): read from fast.safetensors, not stored twice
     with safe_open(HERE / "fast.safetensors", "pt") as f:
         weights = {k.removeprefix("weights/"): f.get_tensor(k) for k in f.keys() if k.startswith("weights/")}
-    g = torch.Generator().manual_seed(32)
-    lat_h, lat_w = FAST_IMAGE_HW[0] // 8, FAST_IMAGE_HW[1] // 8
-    max_f = max((r["frame_num"] - 1) // 4 + 1 for r in V2_RUNS.values())
-    image_latent = torch.randn(16, max_f, lat_h, lat_w, generator=g)
-    context = torch.randn(5, config["text_dim"], generator=g)
+    lat_h, lat_w, image_latent, context = _chunk_inputs(32, V2_RUNS, config["text_dim"])
     tensors, runs, conds = {"context": context}, [], []
     for name, run in V2_RUNS.items():
         model = up.model_fast.WanModelFast(
             local_attn_size=run["local_attn_size"], sink_size=run["sink_size"], **config
         ).eval()
         model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
-        calls = []
-        _record_forwards(model, calls)
-        pipe = object.__new__(up.i2v.WanI2VCausal)
-        pipe.__dict__.update(
-            infer_mode="causal_fast",
-            device=torch.device("cpu"),
-            rank=0,
-            t5_cpu=True,
-            num_train_timesteps=1000,
-            param_dtype=torch.bfloat16,
-            pipe_dtype=torch.float32,
-            local_attn_size=run["local_attn_size"],
-            sink_size=run["sink_size"],
-            vae_stride=(4, 8, 8),
-            patch_size=(1, 2, 2),
-            sp_size=1,
-            model=model,
-            vae=_StandInVae(image_latent),
-            _t5_cache={},
-            _cross_attn_initialized=False,
-            text_encoder=lambda texts, device: [context],
-            scheduler=up.unipc.FlowUniPCMultistepScheduler(
-                num_train_timesteps=1000, shift=1, use_dynamic_shifting=False
-            ),
-        )
-        img = np.zeros((*FAST_IMAGE_HW, 3), dtype=np.uint8)
-        pipe.generate(
-            "-",
-            img,
-            action_path=str(EXAMPLE),
-            chunk_size=V2_CHUNK,
-            max_area=math.prod(FAST_IMAGE_HW),
-            frame_num=run["frame_num"],
+        lat_f, y, cam = _chunk_loop(
+            up,
+            up.i2v.WanI2VCausal,
+            dict(infer_mode="causal_fast"),
+            model,
+            image_latent,
+            context,
+            run,
+            V2_CHUNK,
+            tensors,
+            name,
             timesteps_index=list(V2_TIMESTEPS_INDEX),
             shift=run["shift"],
-            seed=FAST_SEED,
-            offload_model=False,
-            max_sequence_length=config["text_len"],
         )
-        latent = pipe.vae.decoded
-        lat_f = latent.shape[1]
-        chunks = lat_f // V2_CHUNK
-        assert len(calls) == 5 * chunks, len(calls)
-        firsts = calls[::5]  # the first forward of each chunk
-        y = torch.cat([c["y"] for c in firsts], dim=1)
-        cam = torch.cat([c["cam"] for c in firsts], dim=2)
         conds.append((y, cam))
-        tensors[f"{name}/latent"] = latent
-        tensors[f"{name}/flows"] = torch.stack([c["out"] for c in calls])
-        tensors[f"{name}/t"] = torch.stack([c["t"].reshape(()).double() for c in calls])
-        tensors[f"{name}/start"] = torch.tensor([c["start"] for c in calls])
         runs.append({"key": name, "lat_f": lat_f, "lat_h": lat_h, "lat_w": lat_w, **run})
-        print(f"v2 {name}: latent {list(latent.shape)}, {len(calls)} forwards", flush=True)
-    # one y kept: the longest run's (the others' are its prefixes). The camera (bf16, as upstream fed it)
-    # as a seeded sample and float64 sums per run, as for camera.safetensors: the pack builds its own.
-    y_all = max((y for y, _ in conds), key=lambda y: y.shape[1])
+    # the camera (bf16, as upstream fed it) as a seeded sample and float64 sums per run, as for
+    # camera.safetensors: the pack builds its own.
+    tensors["y"] = _longest_y(conds)
     gen = torch.Generator().manual_seed(33)
-    for (y, cam), run in zip(conds, runs, strict=True):
-        assert torch.equal(y_all[:, : y.shape[1]], y)
+    for (_, cam), run in zip(conds, runs, strict=True):
         cam = cam.to(torch.bfloat16)
         idx = torch.randint(0, cam.numel(), (V2_CAMERA_SAMPLES,), generator=gen).unique()
         tensors[f"{run['key']}/cam_index"] = idx
         tensors[f"{run['key']}/cam_values"] = cam.flatten()[idx].clone()
         tensors[f"{run['key']}/cam_frame_sums"] = cam.sum(dim=(0, 1, 3, 4), dtype=torch.float64)
         tensors[f"{run['key']}/cam_channel_sums"] = cam.sum(dim=(0, 2, 3, 4), dtype=torch.float64)
-    tensors["y"] = y_all
     cfg = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
     meta = {"config": cfg, "runs": runs, "seed": FAST_SEED, "chunk": V2_CHUNK, "weights": "fast.safetensors"}
     meta.update(timesteps_index=V2_TIMESTEPS_INDEX, image_hw=list(FAST_IMAGE_HW), upstream="2648877")

@@ -74,10 +74,10 @@ def import_runtime() -> None:
     from .loaders.request import MAX_FRAMES, RequestError, check_lora_merge, check_text_dim, plan_request
     from .loaders.text_encoder import read_encoder_config
     from .loaders.vae import check_vae, load_vae
+    from .session.controls import KeySteering
     from .wan import i2v, pipeline
     from .wan.block_swap import resolve_swap_blocks
     from .wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
-    from .wan.fast_camera import KeySteering
     from .wan.speed import SpeedOptions, SpeedStats
     from .wan.vae import DEFAULT_OVERLAP, check_tile
 

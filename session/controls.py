@@ -93,6 +93,7 @@ class PoseTrack:
     def __init__(self):
         self.rig = CameraRig()
         self.poses: list[np.ndarray] = []
+        self.video: list[np.ndarray] = []  # every video frame's pose (poses are every 4th)
 
     def advance(self, slots) -> np.ndarray:
         """Latent frames for `slots` (the first latent frame of a rollout takes none: give one slot fewer for
@@ -100,11 +101,13 @@ class PoseTrack:
         new = []
         if not self.poses:
             new.append(self.rig.pose())
+            self.video.append(new[0])
         for slot in slots:
             steps = VAE_STRIDE[0]
             motion = _motion(slot, steps)
             for _ in range(steps):
                 pose = self.rig.step(*motion)
+                self.video.append(pose)
             new.append(pose)
         self.poses.extend(new)
         return np.stack(new)
@@ -136,6 +139,7 @@ class Controls:
         self._held: set[str] = set()
         self._events: list = []  # (t, 'down'|'up'|'look', key or (dx, dy))
         self._t0 = t0
+        self.landed: list[tuple[float, int]] = []  # (event time, slot) of the events the last `slots` took
 
     def key(self, name, down: bool, t: float) -> bool:
         """A key edge; False (and nothing recorded) for a key that drives nothing."""
@@ -164,11 +168,13 @@ class Controls:
             events = sorted((e for e in self._events if e[0] <= t), key=lambda e: e[0])
             self._events = [e for e in self._events if e[0] > t]
             t0, self._t0 = self._t0, t
+        self.landed = []
         if n <= 0:
             return []
         span = max(t - t0, 1e-12)
         held = self._held
         if self.mode == "hold":
+            self.landed = [(e[0], 0) for e in events]
             tapped, dx, dy = set(), 0.0, 0.0
             for _, kind, what in events:
                 if kind == "down":
@@ -194,6 +200,7 @@ class Controls:
                     held.discard(what)
                 else:
                     dx, dy = dx + what[0], dy + what[1]
+                self.landed.append((events[i][0], s))
                 i += 1
             out.append(Slot(frozenset(held | pressed), dx, dy))
         return out

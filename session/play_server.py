@@ -242,6 +242,10 @@ class PlayServer:
         finally:
             self.stop("server shut down")
             await self._loop.run_in_executor(None, worker.join)
+            for _ in range(200):  # let the clients' queues (the "end" message last) drain, 2 s at most
+                if all(q.empty() for q in self._clients.values()):
+                    break
+                await asyncio.sleep(0.01)
             for ws in list(self._clients):
                 await ws.close()
             await runner.cleanup()

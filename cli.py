@@ -1440,7 +1440,12 @@ def add_play_args(p: argparse.ArgumentParser):
     p.add_argument("--swap_blocks", default="0", help="DiT blocks streamed from pinned host RAM")
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--t5_mode", choices=["subprocess", "inprocess"], default="subprocess")
+    p.add_argument(
+        "--t5_mode",
+        choices=["subprocess", "inprocess"],
+        default="subprocess",
+        help="text encoder in a child process (default) or in this one",
+    )
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="none", help="VAE tiles: 'none' (default), 'auto' or H,W")
 

@@ -3,6 +3,7 @@
 from .camera import LingBotCamera, LingBotCameraPreset, LingBotCameraPreview
 from .fast import LingBotFastLoader, LingBotFastSampler
 from .models import LingBotExpertsLoader, LingBotLoRA
+from .play import LingBotPlay
 from .sampler import LingBotSampler
 from .speed import LingBotSpeed
 from .text import LingBotTextEncode
@@ -21,6 +22,7 @@ _NODES = {
     "LingBotVAEDecode": (LingBotVAEDecode, "LingBot VAE Decode"),
     "LingBotFastLoader": (LingBotFastLoader, "LingBot-World-Fast Loader"),
     "LingBotFastSampler": (LingBotFastSampler, "LingBot-World-Fast Sampler (chunked)"),
+    "LingBotPlay": (LingBotPlay, "LingBot-World Play"),
 }
 NODE_CLASS_MAPPINGS = {k: cls for k, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {k: name for k, (_, name) in _NODES.items()}

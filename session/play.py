@@ -93,8 +93,9 @@ class PlaySession:
                 "local_attn_size: play runs without end, so its attention cache needs a window "
                 f"(e.g. --local_attn_size {PLAY_WINDOW[0]} --sink_size {PLAY_WINDOW[1]}), got -1"
             )
-        if files.control_type != "cam":
-            raise ValueError(f"play steers a camera model; this model's control type is {files.control_type}")
+        control = files.config.control_type
+        if control != "cam":
+            raise ValueError(f"play steers a camera model; this model's control type is {control}")
         self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind)
         self.files, self.device = files, torch.device(device)
         self.quantize, self.swap, self.tile, self.area = quantize, swap, tile, area
@@ -201,7 +202,7 @@ class PlaySession:
         key = id(self.image)
         if key not in self._conditions:
             if self._vae is None:
-                self._vae = load_vae(self.files.vae, self.device)
+                self._vae = self._load_vae()
             frames = (self.condition_frames - 1) * VAE_STRIDE[0] + 1
             encode = functools.partial(self._vae.encode, tile=self.tile)
             self._conditions = {key: fast_run.condition(self.image, encode, frames, self.size, self.device)}
@@ -216,12 +217,23 @@ class PlaySession:
         self.image, self._prompt = image, prompt
         context = self._context(prompt)
         y = self._condition()
-        if self._model is None:
-            self._model = fast_run.FastModel(
-                self.files, self.device, quantize=self.quantize, swap_blocks=self.swap
-            )
-            self._dit = self._model()
+        if self._dit is None:
+            self._dit = self._load_dit()
         self._new_rollout(context, y)
+
+    # what a front end with its own model management replaces (the ComfyUI node)
+    def _load_vae(self):
+        return load_vae(self.files.vae, self.device)
+
+    def _load_dit(self):
+        self._model = fast_run.FastModel(
+            self.files, self.device, quantize=self.quantize, swap_blocks=self.swap
+        )
+        return self._model()
+
+    def _release(self) -> None:
+        if self._model is not None:
+            self._model.close()
 
     def _new_rollout(self, context=None, y=None) -> None:
         self._end_rollout()
@@ -340,8 +352,8 @@ class PlaySession:
         """Free the caches, the model and the VAE (idempotent)."""
         self.closed = True
         self._end_rollout()
-        if self._model is not None:
-            self._model.close()
+        if self._dit is not None or self._vae is not None:
+            self._release()
         self._model = self._dit = self._vae = None
         self._conditions = {}
         self._contexts = {}

@@ -76,6 +76,8 @@ class PlayServer:
         self._clients: dict = {}  # ws -> asyncio.Queue
         self._loop = None
         self._done = None
+        self.check = None  # called between chunks and while waiting (a front end's interrupt check)
+        self.stats = None
         session.on_frame = self._on_frame
 
     # --- the play thread ---------------------------------------------------------------------------------
@@ -98,6 +100,8 @@ class PlayServer:
             self.ready.set()
             self._broadcast(json.dumps({"type": "ready"}))
             while not self._stop.is_set():
+                if self.check is not None:
+                    self.check()
                 if not self._controller_here.wait(0.1):
                     continue
                 self.session.step()
@@ -110,8 +114,17 @@ class PlayServer:
             self.session.close()
             self._broadcast(json.dumps({"type": "end", "reason": self.end_reason or "error"}))
             loop = self._loop
-            if loop is not None and not loop.is_closed():
+            if loop is not None and not loop.is_closed() and self._done is not None:
                 loop.call_soon_threadsafe(self._done.set)
+
+    def run_here(self, loop) -> dict:
+        """Play in this thread, the clients served by `loop` (another thread's running event loop, e.g.
+        ComfyUI's, whose routes call `handle_ws`); returns the final stats (raises what stopped the session)."""
+        self._loop = loop
+        self._work()
+        if self.error is not None:
+            raise self.error
+        return self.stats
 
     def stop(self, reason: str = "stopped") -> None:
         """End the session (any thread)."""
@@ -125,7 +138,7 @@ class PlayServer:
         pages = page_dir()
         app.router.add_get("/", lambda r: web.FileResponse(pages / "index.html"))
         app.router.add_get("/stats", self._stats)
-        app.router.add_get("/ws", self._ws)
+        app.router.add_get("/ws", self.handle_ws)
         app.router.add_static("/static", pages)
         return app
 
@@ -134,7 +147,7 @@ class PlayServer:
             {**self.session.stats(), "ready": self.ready.is_set(), "clients": len(self._clients)}
         )
 
-    async def _ws(self, request) -> web.WebSocketResponse:
+    async def handle_ws(self, request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(heartbeat=10.0, max_msg_size=1 << 20)
         await ws.prepare(request)
         control = self._controller is None and not self._stop.is_set()

@@ -105,7 +105,16 @@ class LingBotPlay:
                     "STRING",
                     {"default": "480*832", "tooltip": "Pixel area, e.g. 480*832 -> 464x832."},
                 ),
-                "seed": ("INT", {"default": 42, "min": 0, "max": 0xFFFFFFFF, "control_after_generate": True}),
+                "seed": (
+                    "INT",
+                    {
+                        "default": 42,
+                        "min": 0,
+                        "max": 0xFFFFFFFF,
+                        "control_after_generate": True,
+                        "tooltip": "Noise seed of the first rollout (each restart takes the next).",
+                    },
+                ),
                 "mode": (
                     ["history", "hold"],
                     {
@@ -140,6 +149,10 @@ class LingBotPlay:
                 ),
             },
         }
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # interactive: never answered from ComfyUI's cache
 
     def play(
         self, model, vae, image, max_area, seed, mode, local_attn_size, sink_size, text=None, positive=None

@@ -81,7 +81,7 @@ class PlaySession:
         intrinsics=None,
         t5_mode: str = "subprocess",
         t5_device: str | None = None,
-        condition_frames: int = CONDITION_FRAMES,
+        condition_frames: int | None = None,
         on_frame: Callable[[PlayFrame], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
@@ -106,7 +106,7 @@ class PlaySession:
         self.intrinsics, self.on_frame, self.clock = intrinsics, on_frame, clock
         self.controls = Controls(mode, t0=clock())
         self.chunk = self.config.chunk_frames
-        self.condition_frames = condition_frames
+        self.condition_frames = CONDITION_FRAMES if condition_frames is None else condition_frames
         self._lock = threading.Lock()
         self._contexts: dict[str, torch.Tensor] = {}
         self._conditions: dict = {}

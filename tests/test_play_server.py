@@ -193,3 +193,53 @@ def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
     thread.join(120)  # the tab is gone: the session ends
     assert not thread.is_alive() and "error" not in result
     assert result["stats"]["key_events_measured"] >= 2
+
+
+def test_cli_play_records_the_clip_and_a_replayable_camera(fast_ckpt, shipped_example, tmp_path, monkeypatch):
+    """`play --record`: a client plays 2 chunks with W held (hold mode) and stops; the MP4 holds every played
+    frame and out_camera/ a pose per played frame whose latent frames (as `fast --action_path` spreads them)
+    are the poses that were played."""
+    from lingbot_world.loaders.camera_files import load_camera_dir
+    from lingbot_world.loaders.video import read_mp4_info
+    from lingbot_world.wan.camera import interpolate_poses
+
+    servers = []
+    monkeypatch.setattr(play_server, "announce", servers.append)
+    monkeypatch.setattr(play, "CONDITION_FRAMES", 4)
+    out = tmp_path / "out.mp4"
+    args = play_args(fast_ckpt, shipped_example, "--port", "0", "--mode", "hold", "--record", str(out))
+    rc = []
+    thread = threading.Thread(target=lambda: rc.append(cli.main(args)), daemon=True)
+    thread.start()
+    for _ in range(600):
+        if servers or not thread.is_alive():
+            break
+        thread.join(0.1)
+    assert servers, "the server did not start"
+    server = servers[0]
+
+    async def client():
+        async with aiohttp.ClientSession() as http:
+            ws = await http.ws_connect(server.url + "ws")
+            await ws.receive(timeout=60)
+            await ws.send_str(json.dumps({"type": "key", "key": "KeyW", "down": True}))
+            texts = []
+            frames = await frames_until(ws, 21, texts)
+            await ws.send_str(json.dumps({"type": "stop"}))
+            async for _ in ws:
+                pass
+            return frames
+
+    frames = asyncio.run(client())
+    thread.join(300)
+    assert rc == [0]
+    played = server.session.frames
+    assert played >= 21 and [f[0] for f in frames] == list(range(21))
+    assert read_mp4_info(out)["frames"] == played
+    camera = load_camera_dir(tmp_path / "out_camera")
+    poses = camera["poses"]
+    assert poses.shape == (played, 4, 4) and camera["intrinsics"].shape == (1, 4)
+    latent = (played - 1) // 4 + 1
+    want = np.stack(server.session.poses)
+    np.testing.assert_allclose(interpolate_poses(poses, latent).numpy(), want, atol=1e-5)
+    assert want[-1][2, 3] > 0  # W walked forward

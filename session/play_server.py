@@ -13,6 +13,7 @@ stops after the chunk in progress and the model and caches are freed.
 """
 
 import asyncio
+import contextlib
 import io
 import json
 import struct
@@ -122,6 +123,8 @@ class PlayServer:
         ComfyUI's, whose routes call `handle_ws`); returns the final stats (raises what stopped the session)."""
         self._loop = loop
         self._work()
+        with contextlib.suppress(Exception):  # a closed loop: the clients went with it
+            asyncio.run_coroutine_threadsafe(self._close_clients(), loop).result(timeout=30)
         if self.error is not None:
             raise self.error
         return self.stats
@@ -255,13 +258,16 @@ class PlayServer:
         finally:
             self.stop("server shut down")
             await self._loop.run_in_executor(None, worker.join)
-            for _ in range(200):  # let the clients' queues (the "end" message last) drain, 2 s at most
-                if all(q.empty() for q in self._clients.values()):
-                    break
-                await asyncio.sleep(0.01)
-            for ws in list(self._clients):
-                await ws.close()
+            await self._close_clients()
             await runner.cleanup()
+
+    async def _close_clients(self) -> None:
+        for _ in range(200):  # let the clients' queues (the "end" message last) drain, 2 s at most
+            if all(q.empty() for q in self._clients.values()):
+                break
+            await asyncio.sleep(0.01)
+        for ws in list(self._clients):
+            await ws.close()
 
     def serve(self, on_bound=None) -> dict:
         """Run until the session ends; returns its final stats (raises what stopped the session)."""

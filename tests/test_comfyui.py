@@ -526,7 +526,7 @@ def test_clip_text_encode_embeddings_match_ours(tmp_path):
         assert row["max_abs_diff"] <= 0.02 * row["max_abs"], row  # a bf16 step or two
 
 
-def play_prompt(server) -> dict:
+def play_prompt(server, seed: int = 3) -> dict:
     """The chunked workflow with its sampler replaced by LingBot-World Play (same model, VAE, image and text)
     and its frames saved as images."""
     api = ui_to_api(json.loads(CHUNKED_WORKFLOW.read_text()), server.object_info)
@@ -539,7 +539,7 @@ def play_prompt(server) -> dict:
         "inputs": {
             **{k: sampler[k] for k in ("model", "vae", "image", "text")},
             "max_area": "64*112",
-            "seed": 3,
+            "seed": seed,
             "mode": "hold",
             "local_attn_size": -2,
             "sink_size": -1,
@@ -631,3 +631,59 @@ def test_play_node_is_interrupted_cleanly(server):
     assert "execution_interrupted" in events, entry["status"]
     assert ended is not None and "socket ended" in ended
     assert "LingBot-World Play stopped early; model released" in server.log(400)
+
+
+@pytest.mark.slow
+def test_play_node_in_the_browser(server, tmp_path):
+    """The ComfyUI page in headless Chromium: queueing the Play node opens the play panel; W on the panel moves
+    the camera in the panel's log; Stop ends the prompt with the frames saved."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip(
+            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
+        )
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        driver.get(server.url)
+        # the frontend has loaded the pack's extension once the app lists it
+        WebDriverWait(driver, scaled(60), 0.5).until(
+            lambda d: d.execute_script(
+                "return !!(window.app && window.app.extensions && "
+                "window.app.extensions.some(e => e.name === 'LingBot.Play'))"
+            )
+        )
+        prompt_id = server.queue_prompt(play_prompt(server, seed=11))
+        panel = WebDriverWait(driver, scaled(120), 0.5).until(lambda d: d.find_element(By.ID, "lingbot-play"))
+        log = lambda: driver.execute_script("return window.lingbotPlayLog || []")  # noqa: E731
+        WebDriverWait(driver, scaled(120), 0.5).until(lambda d: len(log()) >= 1)
+        ActionChains(driver).click(panel.find_element(By.TAG_NAME, "img")).key_down("w").perform()
+        WebDriverWait(driver, scaled(180), 0.5).until(lambda d: log()[-1]["z"] > 0.1)
+        entries = log()
+        assert [e["index"] for e in entries] == list(range(len(entries)))
+        panel.find_element(By.CSS_SELECTOR, '[data-a="stop"]').click()
+        entry = server.wait_history(prompt_id, timeout=scaled(60))
+        assert entry["status"]["status_str"] == "success", (
+            json.dumps(entry["status"], indent=1) + server.log()
+        )
+        assert len([f for out in entry["outputs"].values() for f in out.get("images", [])]) >= len(entries)
+    finally:
+        driver.quit()

@@ -22,6 +22,7 @@ function openPanel(detail) {
     '<pre data-a="hud" style="margin:4px 0"></pre>' +
     '<div>Click here, then W/A/S/D move, Shift run, Q/E down/up, arrows look, drag to look.</div>';
   document.body.appendChild(panel);
+  window.lingbotPlayLog = [];  // every frame's index and camera (tests, curious users)
   const img = panel.querySelector("img"), hud = panel.querySelector('[data-a="hud"]');
   const url = new URL(api.apiURL(detail.ws), location.href);
   url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
@@ -47,6 +48,10 @@ function openPanel(detail) {
       draw();
       return;
     }
+    const view = new DataView(ev.data);
+    const p = []; for (let i = 0; i < 12; i++) p.push(view.getFloat32(16 + 4 * i, true));
+    window.lingbotPlayLog.push({ index: view.getUint32(0, true), rollout: view.getUint32(4, true),
+      latent: view.getUint32(8, true), x: p[3], y: p[7], z: p[11], yaw: Math.atan2(p[2], p[10]) * 180 / Math.PI });
     const blob = new Blob([new Uint8Array(ev.data, 64)], { type: "image/jpeg" });
     if (blobUrl) URL.revokeObjectURL(blobUrl);
     blobUrl = URL.createObjectURL(blob);

@@ -1,6 +1,7 @@
 """The standalone play server (session.play_server) and `lingbot-world play` on the tiny Fast checkpoint."""
 
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
@@ -243,3 +244,18 @@ def test_cli_play_records_the_clip_and_a_replayable_camera(fast_ckpt, shipped_ex
     want = np.stack(server.session.poses)
     np.testing.assert_allclose(interpolate_poses(poses, latent).numpy(), want, atol=1e-5)
     assert want[-1][2, 3] > 0  # W walked forward
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--port", "70000"], "--port: expected 0..65535, got 70000"),
+        (["--local_attn_size", "-1"], "play runs without end, so its attention cache needs a window"),
+        (["--mode", "toggle"], "argument --mode: invalid choice"),
+    ],
+)
+def test_bad_play_flags_fail_before_loading(fast_ckpt, shipped_example, capsys, nothing_loads, extra, needle):
+    with pytest.raises(SystemExit) if extra[0] == "--mode" else contextlib.nullcontext():
+        assert cli.main(play_args(fast_ckpt, shipped_example, *extra)) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -74,10 +74,10 @@ def import_runtime() -> None:
     from .loaders.request import MAX_FRAMES, RequestError, check_lora_merge, check_text_dim, plan_request
     from .loaders.text_encoder import read_encoder_config
     from .loaders.vae import check_vae, load_vae
+    from .session.controls import KeySteering
     from .wan import i2v, parallel, pipeline
     from .wan.block_swap import resolve_swap_blocks
     from .wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
-    from .wan.fast_camera import KeySteering
     from .wan.parallel import SequenceParallel
     from .wan.speed import SpeedOptions, SpeedStats
     from .wan.vae import DEFAULT_OVERLAP, check_tile, decode_dtype
@@ -474,6 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
             "fast",
             help="LingBot-World-Fast: chunk by chunk, 4 steps a chunk, steerable with keys while it runs",
             description=FAST_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+    add_play_args(
+        sub.add_parser(
+            "play",
+            help="play the world live in a browser tab: keys and mouse drive the camera (v1 Fast, v2)",
+            description=PLAY_HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
     )
@@ -1511,6 +1519,115 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
     return latent
 
 
+PLAY_HELP = """Play a chunked model (v1 Fast, v2 14B, v2 1.3B) live: a page on http://127.0.0.1:PORT/ shows the
+picture as each latent frame decodes, with a HUD (FPS as played, seconds per chunk, key->pixel latency, VRAM).
+Keys: W/A/S/D move, Shift runs, Q/E down/up, arrows look, drag the picture to look, R restarts from the image.
+--mode history (default): each key press lands in the latent frame in which it happened; hold: the keys held
+when a chunk starts act from its first frame. The first tab controls the session, later ones watch; closing
+the controlling tab (or Stop, or Ctrl-C) ends it and frees the GPU. A rollout restarts from the image by
+itself when the RoPE table's length is reached. Play needs an attention window (v2's documented 18 / 6;
+v1 Fast, documented unbounded, plays at 18 / 6 too).
+
+--record out.mp4 writes what was played and out_camera/ (poses.npy + intrinsics.npy per played video
+frame; out_camera_2/ ... for later rollouts), which `generate` and `fast` replay with --action_path.
+"""
+
+
+def add_play_args(p: argparse.ArgumentParser):
+    p.add_argument("--ckpt_dir", type=Path, required=True, help="as for `fast`: v1 Fast, v2 14B or v2 1.3B")
+    p.add_argument("--model", choices=("auto", *CHUNKED_KINDS), default="auto", help="as for `fast`")
+    p.add_argument("--assets_dir", type=Path, help="text encoder, tokenizer and VAE (the v2 1.3B)")
+    p.add_argument("--image", type=Path, required=True, help="the first frame (and every restart's)")
+    p.add_argument("--prompt", type=utf8_text, required=True, help="the scene (changeable from the page)")
+    p.add_argument("--port", type=int, default=8765, help="TCP port of the page (default 8765)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1, this machine only; another opens the GPU to others)",
+    )
+    p.add_argument("--mode", choices=("history", "hold"), default="history", help="how key timing is read")
+    p.add_argument("--record", type=Path, help="also write the played MP4 here, and its camera folder(s)")
+    p.add_argument("--overwrite", action="store_true", help="replace --record's files")
+    p.add_argument("--size", type=parse_size, default=DEFAULTS.max_area, help="max pixel area, e.g. 480*832")
+    add_seed_arg(p)
+    p.add_argument("--sample_shift", type=float, help="timestep shift (default: the model's)")
+    p.add_argument("--local_attn_size", type=int, help="attention window in latent frames, sink included")
+    p.add_argument("--sink_size", type=int, help="latent frames at the start the window keeps")
+    p.add_argument("--kv_dtype", choices=KV_DTYPES, default="bf16", help="attention cache dtype")
+    p.add_argument("--swap_blocks", default="0", help="DiT blocks streamed from pinned host RAM")
+    p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    p.add_argument(
+        "--t5_mode",
+        choices=["subprocess", "inprocess"],
+        default="subprocess",
+        help="text encoder in a child process (default) or in this one",
+    )
+    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
+    p.add_argument("--vae_tile", default="none", help="VAE tiles: 'none' (default), 'auto' or H,W")
+
+
+def run_play(args) -> int:
+    from .session import play, play_server
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: expected 0..65535, got {args.port}")
+    warning = play_server.host_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    device = resolve_device(args.device)
+    assets = args.assets_dir and args.assets_dir.expanduser().resolve()
+    files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
+    check_text_dim(
+        read_encoder_config(files.text_encoder)["dim"], files.config, files.text_encoder, files.model
+    )
+    check_vae(files.vae)
+    image = load_image(args.image)
+    session = play.PlaySession(
+        files,
+        device,
+        seed=i2v.resolve_seed(args.seed),
+        shift=args.sample_shift,
+        local_attn_size=args.local_attn_size,
+        sink_size=args.sink_size,
+        kv_dtype=args.kv_dtype,
+        quantize=args.quantize or None,
+        swap=resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
+        tile=vae_tile(args.vae_tile),
+        area=args.size,
+        mode=args.mode,
+        t5_mode=args.t5_mode,
+        t5_device="cpu" if args.t5_cpu else None,
+    )
+    try:
+        session.lat_shape(image)
+    except ValueError as err:
+        raise ValueError(f"--size: {err}") from None
+    session.check_memory(image)
+    recorder = None
+    if args.record:
+        inputs = [("--ckpt_dir", args.ckpt_dir), ("--image", args.image), ("--assets_dir", args.assets_dir)]
+        video.check_output(args.record, args.overwrite, inputs)
+        recorder = play.PlayRecorder(args.record, args.overwrite)
+    server = play_server.PlayServer(
+        session, image, args.prompt, args.host, args.port, record=recorder and recorder.add
+    )
+    try:
+        stats = server.serve(on_bound=play_server.announce)
+    except BaseException:
+        session.close()
+        if recorder is not None:
+            recorder.abort()
+        raise
+    print(f"play ended ({server.end_reason}): {json.dumps(stats)}")
+    if recorder is not None:
+        folders = recorder.close(session)
+        print(f"wrote {recorder.path} ({recorder.frames} frames, {fast_run.REAL_TIME_FPS} fps)")
+        for folder, frames in folders:
+            print(f"wrote {folder} ({frames} poses): replay with --action_path {folder} --frame_num {frames}")
+    return 0
+
+
 def run_camera(args) -> int:
     """`camera`: a preset (saved and/or drawn) or a pose folder / act2cam keys (drawn)."""
     if bool(args.camera_preset) == bool(args.action_path):
@@ -1612,6 +1729,8 @@ def main(argv=None) -> int:
             return run_quantize(args)
         if args.command == "fast":
             return run_fast(args)
+        if args.command == "play":
+            return run_play(args)
         if args.command == "plan":
             return run_plan(args)
         if args.command == "doctor":

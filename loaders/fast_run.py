@@ -27,7 +27,7 @@ from ..wan.fast import (
     fast_latent_frames,
     kv_cache_bytes_for,
 )
-from ..wan.fast_camera import KeySteering, parse_keys_line, pose_camera
+from ..wan.fast_camera import parse_keys_line, pose_camera
 from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
 from .camera_files import CameraInput
@@ -258,7 +258,7 @@ def stdin_keys(stream=None, prompt: bool | None = None) -> Iterator[np.ndarray]:
             print(f"ignored: {err}", file=sys.stderr, flush=True)
 
 
-def steered_cameras(keys: Iterable[np.ndarray], steering: KeySteering) -> Iterator[torch.Tensor]:
+def steered_cameras(keys: Iterable[np.ndarray], steering) -> Iterator[torch.Tensor]:
     """Chunk k's camera, built when chunk k starts from the keys of chunks 0..k."""
     for row in keys:
         steering.add(row)

@@ -4,6 +4,7 @@ from .camera import LingBotCamera, LingBotCameraPreset, LingBotCameraPreview
 from .fast import LingBotFastLoader, LingBotFastSampler
 from .models import LingBotExpertsLoader, LingBotLoRA
 from .native import LingBotNativeImageToVideo, LingBotNativeModelLoader
+from .play import LingBotPlay
 from .sampler import LingBotSampler
 from .speed import LingBotSpeed
 from .text import LingBotTextEncode
@@ -24,6 +25,7 @@ _NODES = {
     "LingBotFastSampler": (LingBotFastSampler, "LingBot-World-Fast Sampler (chunked)"),
     "LingBotNativeModelLoader": (LingBotNativeModelLoader, "LingBot-World Model (native)"),
     "LingBotNativeImageToVideo": (LingBotNativeImageToVideo, "LingBot-World Image To Video (native)"),
+    "LingBotPlay": (LingBotPlay, "LingBot-World Play"),
 }
 NODE_CLASS_MAPPINGS = {k: cls for k, (cls, _) in _NODES.items()}
 NODE_DISPLAY_NAME_MAPPINGS = {k: name for k, (_, name) in _NODES.items()}

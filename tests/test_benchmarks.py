@@ -464,3 +464,15 @@ def test_bench_vae_chunk_mode(tmp_path):
     assert (
         abs(cases["chunk_bf16_channels_last"]["psnr_db_vs_fp32"] - cases["chunk_bf16"]["psnr_db_vs_fp32"]) < 3
     )
+
+
+def test_bench_play(tmp_path):
+    """The scripted client plays 4 chunks of the tiny v2 1.3B: 13 + 3 * 16 frames arrive; the session saw the
+    script's keys and the client saw the camera answer some of them."""
+    s = run_tiny("bench_play.py", tmp_path, "--key-period", "0.2")
+    assert s["bench"] == "play" and s["model"] == "v2-1.3b" and s["window"] == [18, 6]
+    assert s["frames_received"] == 61 and s["chunks"] >= 4 and len(s["chunk_s"]) == s["chunks"]
+    assert s["fps_played"] > 0 and s["client_fps"] > 0
+    assert s["s_per_chunk"] == pytest.approx(sum(s["chunk_s"][1:]) / (s["chunks"] - 1), rel=1e-3)
+    assert s["key_events_measured"] >= 1 and s["key_to_pixel_p50_s"] <= s["key_to_pixel_p95_s"]
+    assert s["client_keys_seen"] >= 1

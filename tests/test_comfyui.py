@@ -5,6 +5,7 @@ Needs a ComfyUI checkout: COMFYUI_DIR=/path/to/ComfyUI, and COMFYUI_PYTHON for i
 (default: this one). Skipped otherwise.
 """
 
+import asyncio
 import json
 import os
 import shutil
@@ -54,6 +55,7 @@ NODE_IDS = {
     "LingBotSpeed",
     "LingBotNativeModelLoader",
     "LingBotNativeImageToVideo",
+    "LingBotPlay",
 }
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 
@@ -596,3 +598,166 @@ def test_native_conditioning_refuses_a_bad_length_at_queue_time(server):
     assert "length: expected a positive integer of the form 4n+1 (e.g. 9 or 13), got 10" in json.dumps(
         reply["node_errors"]
     ), reply
+
+
+def play_prompt(server, seed: int = 3) -> dict:
+    """The chunked workflow with its sampler replaced by LingBot-World Play (same model, VAE, image and text)
+    and its frames saved as images."""
+    api = ui_to_api(json.loads(CHUNKED_WORKFLOW.read_text()), server.object_info)
+    ids = {n["class_type"]: k for k, n in api.items()}
+    sampler = api[ids["LingBotFastSampler"]]["inputs"]
+    for name in ("LingBotFastSampler", "LingBotVAEDecode", "CreateVideo", "SaveVideo", "LingBotCameraPreset"):
+        api.pop(ids[name])
+    api["20"] = {
+        "class_type": "LingBotPlay",
+        "inputs": {
+            **{k: sampler[k] for k in ("model", "vae", "image", "text")},
+            "max_area": "64*112",
+            "seed": seed,
+            "mode": "hold",
+            "local_attn_size": -2,
+            "sink_size": -1,
+        },
+    }
+    api["21"] = {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["20", 0], "filename_prefix": "lingbot_test/play"},
+    }
+    return api
+
+
+async def play_client(url: str, frames: int, stop: bool = True, got: list | None = None) -> tuple:
+    """Connect to the running node's play socket (retrying until the node runs), press W after the first frame,
+    take `frames` frames into `got`, then Stop (or only close)."""
+    import aiohttp
+    from lingbot_world.session.play_server import parse_frame_message
+
+    got = [] if got is None else got
+    async with aiohttp.ClientSession() as http:
+        end = time.monotonic() + scaled(120)
+        while True:
+            ws = await http.ws_connect(url + "/lingbot/play/ws")
+            hello = json.loads((await ws.receive(timeout=scaled(30))).data)
+            if hello["type"] == "hello":
+                break
+            await ws.close()
+            assert time.monotonic() < end, hello
+            await asyncio.sleep(0.5)
+        texts = []
+        while len(got) < frames:
+            msg = await ws.receive(timeout=scaled(120))
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                got.append(parse_frame_message(msg.data))
+                if len(got) == 1:
+                    await ws.send_str(json.dumps({"type": "key", "key": "KeyW", "down": True}))
+            elif msg.type == aiohttp.WSMsgType.TEXT:
+                texts.append(json.loads(msg.data))
+            else:
+                raise AssertionError(f"socket ended after {len(got)} frames: {texts}")
+        if stop:
+            await ws.send_str(json.dumps({"type": "stop"}))
+            async for msg in ws:
+                if msg.type == aiohttp.WSMsgType.TEXT:
+                    texts.append(json.loads(msg.data))
+        await ws.close()
+        return hello, got, texts
+
+
+def test_play_node_streams_and_returns_the_clip(server):
+    """LingBot-World Play in a real ComfyUI: queued, it serves its socket on ComfyUI's server; a client takes
+    frames in order, its W key moves the camera, Stop ends the prompt with every played frame saved."""
+    page = urllib.request.urlopen(server.url + "/extensions/" + PACK_FOLDER + "/play.js", timeout=30).read()
+    assert b"lingbot.play" in page  # the panel is served from the pack's WEB_DIRECTORY
+    prompt_id = server.queue_prompt(play_prompt(server))
+    hello, frames, texts = asyncio.run(play_client(server.url, 21))
+    assert hello["role"] == "control" and hello["mode"] == "hold"
+    assert [f[0] for f in frames] == list(range(21))
+    assert frames[-1][3][2, 3] > 0  # forward along z
+    assert any(t["type"] == "end" for t in texts), texts
+    entry = server.wait_history(prompt_id, timeout=scaled(60))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1) + server.log()
+    images = [f for out in entry["outputs"].values() for f in out.get("images", [])]
+    assert len(images) >= 21
+    assert "LingBot-World Play ended (stop asked by the client)" in server.log(400)
+
+
+def test_play_node_is_interrupted_cleanly(server):
+    """Cancel while playing ends the prompt as interrupted and releases the model; the client's socket ends."""
+    prompt_id = server.queue_prompt(play_prompt(server))
+
+    async def run():
+        got = []
+        task = asyncio.create_task(play_client(server.url, 10**6, stop=False, got=got))
+        end = time.monotonic() + scaled(120)
+        while not got and not task.done() and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        assert got, "no frame arrived"
+        await asyncio.to_thread(server.request, "/interrupt", {})
+        try:
+            await task
+        except AssertionError as err:
+            return str(err)
+        return None
+
+    ended = asyncio.run(run())
+    entry = server.wait_history(prompt_id, timeout=scaled(60))
+    events = [m[0] for m in entry["status"]["messages"]]
+    assert "execution_interrupted" in events, entry["status"]
+    assert ended is not None and "socket ended" in ended
+    assert "LingBot-World Play stopped early; model released" in server.log(400)
+
+
+@pytest.mark.slow
+def test_play_node_in_the_browser(server, tmp_path):
+    """The ComfyUI page in headless Chromium: queueing the Play node opens the play panel; W on the panel moves
+    the camera in the panel's log; Stop ends the prompt with the frames saved."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip(
+            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
+        )
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        driver.get(server.url)
+        # the frontend has loaded the pack's extension once the app lists it
+        WebDriverWait(driver, scaled(60), 0.5).until(
+            lambda d: d.execute_script(
+                "return !!(window.app && window.app.extensions && "
+                "window.app.extensions.some(e => e.name === 'LingBot.Play'))"
+            )
+        )
+        prompt_id = server.queue_prompt(play_prompt(server, seed=11))
+        panel = WebDriverWait(driver, scaled(120), 0.5).until(lambda d: d.find_element(By.ID, "lingbot-play"))
+        log = lambda: driver.execute_script("return window.lingbotPlayLog || []")  # noqa: E731
+        WebDriverWait(driver, scaled(120), 0.5).until(lambda d: len(log()) >= 1)
+        ActionChains(driver).click(panel.find_element(By.TAG_NAME, "img")).key_down("w").perform()
+        WebDriverWait(driver, scaled(180), 0.5).until(lambda d: log()[-1]["z"] > 0.1)
+        entries = log()
+        assert [e["index"] for e in entries] == list(range(len(entries)))
+        panel.find_element(By.CSS_SELECTOR, '[data-a="stop"]').click()
+        entry = server.wait_history(prompt_id, timeout=scaled(60))
+        assert entry["status"]["status_str"] == "success", (
+            json.dumps(entry["status"], indent=1) + server.log()
+        )
+        assert len([f for out in entry["outputs"].values() for f in out.get("images", [])]) >= len(entries)
+    finally:
+        driver.quit()

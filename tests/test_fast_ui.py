@@ -18,12 +18,13 @@ from lingbot_world.loaders.stream import load_expert
 from lingbot_world.loaders.text_encode import encode_prompts
 from lingbot_world.loaders.vae import load_vae
 from lingbot_world.loaders.video import read_mp4_info
+from lingbot_world.session.controls import KeySteering, keys_camera
 from lingbot_world.wan import i2v
 from lingbot_world.wan.actions import actions_to_poses
 from lingbot_world.wan.camera import camera_conditioning, relative_poses
 from lingbot_world.wan.camera_presets import preset_intrinsics
 from lingbot_world.wan.fast import FastConfig, generate_fast
-from lingbot_world.wan.fast_camera import KEY_STEP, KeySteering, keys_camera, parse_keys_line, pose_camera
+from lingbot_world.wan.fast_camera import KEY_STEP, parse_keys_line, pose_camera
 from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
 from safetensors.torch import load_file

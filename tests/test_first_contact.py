@@ -221,8 +221,8 @@ for argv in [["--help"], *[[name, "--help"] for name in names]]:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout
     lines = out.splitlines()
-    assert len(lines) == 1 + len(subcommands()) == 8, out
-    assert all(line.endswith(" 7 []") for line in lines), out
+    assert len(lines) == 1 + len(subcommands()) == 9, out
+    assert all(line.endswith(" 8 []") for line in lines), out
 
 
 def test_every_flag_of_every_subcommand_has_help():

@@ -24,13 +24,14 @@ from lingbot_world.loaders.stream import load_expert
 from lingbot_world.loaders.text_encode import encode_prompts
 from lingbot_world.loaders.vae import load_vae
 from lingbot_world.loaders.video import read_mp4_info
+from lingbot_world.session.controls import KeySteering, keys_camera
 from lingbot_world.wan import i2v
 from lingbot_world.wan.actions import actions_to_poses
 from lingbot_world.wan.camera_presets import preset_intrinsics
 from lingbot_world.wan.config import CHUNKED_KINDS, V2_1_3B
 from lingbot_world.wan.dit import WanModel
 from lingbot_world.wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames, generate_fast
-from lingbot_world.wan.fast_camera import KeySteering, chunk_key_rows, keys_camera, parse_keys_line
+from lingbot_world.wan.fast_camera import chunk_key_rows, parse_keys_line
 from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
 from safetensors import safe_open

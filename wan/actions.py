@@ -89,6 +89,41 @@ def _flat_unit(v: np.ndarray) -> np.ndarray:
     return flat / (n + 1e-6) if n > 0 else flat
 
 
+class CameraRig:
+    """act2cam's motion model as a state that steps one video frame at a time (the one pose integrator:
+    `actions_to_poses` here, the CLI's steering keys and live play all step it).
+
+    `step(d_yaw, d_pitch, forward, right, up)`: turn by d_yaw (about the world y axis, + turns right) and
+    d_pitch (about the camera's x axis, + looks up; a step leaving [-85, 85] deg is dropped), then move
+    forward/right along the new orientation's flattened axes and up along world -y, each in units of
+    MOVE_STEP; returns the new c2w [4, 4] float64."""
+
+    def __init__(self):
+        self.rot, self.pos, self.pitch = np.eye(3), np.zeros(3), 0.0
+
+    def pose(self) -> np.ndarray:
+        c2w = np.eye(4)
+        c2w[:3, :3], c2w[:3, 3] = self.rot, self.pos
+        return c2w
+
+    def step(self, d_yaw=0.0, d_pitch=0.0, forward=0.0, right=0.0, up=0.0) -> np.ndarray:
+        limit = np.deg2rad(PITCH_LIMIT_DEG)
+        if -limit <= self.pitch + d_pitch <= limit:
+            self.pitch += d_pitch
+        else:
+            d_pitch = 0.0
+        self.rot = _rot_y(d_yaw) @ self.rot @ _rot_x(d_pitch)
+        move = np.zeros(3)
+        if forward:
+            move += _flat_unit(self.rot[:, 2]) * (MOVE_STEP * forward)
+        if right:
+            move += _flat_unit(self.rot[:, 0]) * (MOVE_STEP * right)
+        if up:
+            move += np.array([0.0, -MOVE_STEP * up, 0.0])
+        self.pos = self.pos + move
+        return self.pose()
+
+
 def actions_to_poses(wasd, ijkl=None) -> np.ndarray:
     """Per-frame keys wasd [F, 4] (and ijkl [F, 4], None = no turning) -> float64 c2w [F+1, 4, 4]."""
     wasd = validate_actions(wasd, "wasd") > KEY_THRESHOLD
@@ -96,32 +131,17 @@ def actions_to_poses(wasd, ijkl=None) -> np.ndarray:
     if len(ijkl) != len(wasd):
         raise ValueError(f"ijkl: expected as many rows as wasd ({len(wasd)}), got {len(ijkl)}")
     step = np.deg2rad(ROTATE_STEP_DEG)
-    limit = np.deg2rad(PITCH_LIMIT_DEG)
+    rig = CameraRig()
     poses = np.tile(np.eye(4), (len(wasd) + 1, 1, 1))
-    rot, pos, pitch = np.eye(3), np.zeros(3), 0.0
     for f, ((w, a, s, d), (look_up, turn_left, look_down, turn_right)) in enumerate(
         zip(wasd, ijkl, strict=True), start=1
     ):
-        d_pitch = (step if look_up else 0.0) - (step if look_down else 0.0)
-        if -limit <= pitch + d_pitch <= limit:
-            pitch += d_pitch
-        else:
-            d_pitch = 0.0
-        d_yaw = (step if turn_right else 0.0) - (step if turn_left else 0.0)
-        rot = _rot_y(d_yaw) @ rot @ _rot_x(d_pitch)
-        right, forward = _flat_unit(rot[:, 0]), _flat_unit(rot[:, 2])
-        move = np.zeros(3)
-        if w:
-            move += forward * MOVE_STEP
-        if s:
-            move -= forward * MOVE_STEP
-        if d:
-            move += right * MOVE_STEP
-        if a:
-            move -= right * MOVE_STEP
-        pos = pos + move
-        poses[f, :3, :3] = rot
-        poses[f, :3, 3] = pos
+        poses[f] = rig.step(
+            step * (int(turn_right) - int(turn_left)),
+            step * (int(look_up) - int(look_down)),
+            int(w) - int(s),
+            int(d) - int(a),
+        )
     return poses
 
 

@@ -261,9 +261,14 @@ class ChunkCausal(Bidirectional):
 
 
 class FastSession:
-    """One Fast generation: all noise drawn at construction (upstream's RNG order), y/context fixed."""
+    """One Fast generation: all noise drawn at construction (upstream's RNG order), y/context fixed.
 
-    def __init__(self, model, context, y, lat_shape, config: FastConfig, device, hooks=None):
+    `stream=True` (live play, an open-ended rollout of up to lat_f latent frames): each chunk's initial noise is
+    drawn when the chunk starts (before its re-noise draws), y may be shorter than lat_f (latent frames past
+    its end take its last frame), finished chunks are not kept (`latent()` is empty) and `set_context`
+    changes the prompt between chunks. Without it nothing changes: generate's outputs are upstream's."""
+
+    def __init__(self, model, context, y, lat_shape, config: FastConfig, device, hooks=None, stream=False):
         config.validate()
         sp = getattr(model, "sequence_parallel", None)
         if sp is not None:
@@ -281,6 +286,8 @@ class FastSession:
         if lat_f > ROPE_FRAMES:
             raise ValueError(f"lat_shape: at most {ROPE_FRAMES} latent frames (RoPE table), got {lat_f}")
         want_y = (4 + LATENT_CHANNELS, lat_f, lat_h, lat_w)
+        if stream and isinstance(y, torch.Tensor) and y.dim() == 4 and 1 <= y.shape[1] <= lat_f:
+            want_y = (want_y[0], y.shape[1], lat_h, lat_w)
         if not isinstance(y, torch.Tensor) or tuple(y.shape) != want_y:
             got = list(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
             raise ValueError(f"y: expected the i2v condition {list(want_y)} (mask + image latent), got {got}")
@@ -297,19 +304,23 @@ class FastSession:
         self.frame_seqlen = _frame_seqlen(lat_h, lat_w, p)
         self._skip_commit = False  # tests only: leave the cache with the last step's noisy keys
 
+        self.stream = stream
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(int(config.seed))
-        noise = torch.randn(
-            LATENT_CHANNELS,
-            lat_f,
-            lat_h,
-            lat_w,
-            dtype=torch.float32,
-            generator=self.generator,
-            device=self.device,
-        )
-        self._noise = list(noise.split(chunk, dim=1))
-        self._y = list(y.to(self.device).split(chunk, dim=1))
+        if stream:  # drawn chunk by chunk in next_chunk
+            self._noise, self._y, self._y_all = {}, {}, y.to(self.device)
+        else:
+            noise = torch.randn(
+                LATENT_CHANNELS,
+                lat_f,
+                lat_h,
+                lat_w,
+                dtype=torch.float32,
+                generator=self.generator,
+                device=self.device,
+            )
+            self._noise = list(noise.split(chunk, dim=1))
+            self._y = list(y.to(self.device).split(chunk, dim=1))
         self._context = context.to(self.device)
 
         timesteps, sigmas = sampling_sigmas(NUM_TRAIN_TIMESTEPS, config.shift)
@@ -392,6 +403,8 @@ class FastSession:
         cam = self._check_cam(cam)
         k = self.done
         try:
+            if self.stream:
+                self._stream_inputs(k)
             m = self.model
             cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
             latent = self._noise[k]
@@ -412,13 +425,45 @@ class FastSession:
         except BaseException:
             self.close()
             raise
-        self._chunks.append(x0)
+        if not self.stream:
+            self._chunks.append(x0)
         self.done += 1
         if self.hooks.progress is not None:
             self.hooks.progress(self.done, self.num_chunks, x0)
         if self.done == self.num_chunks:
             self.close()
         return x0
+
+    def _stream_inputs(self, k: int) -> None:
+        """Chunk k's initial noise and condition frames (stream mode)."""
+        _, lat_h, lat_w = self.lat_shape
+        n = self.chunk
+        frames = torch.arange(k * n, (k + 1) * n, device=self.device).clamp(max=self._y_all.shape[1] - 1)
+        self._y = {k: self._y_all.index_select(1, frames)}
+        self._noise = {
+            k: torch.randn(
+                LATENT_CHANNELS,
+                n,
+                lat_h,
+                lat_w,
+                dtype=torch.float32,
+                generator=self.generator,
+                device=self.device,
+            )
+        }
+
+    def set_context(self, context: torch.Tensor) -> None:
+        """A new prompt's embedding [tokens, text_dim]: the next chunk's cross-attention uses it."""
+        if (
+            not isinstance(context, torch.Tensor)
+            or context.dim() != 2
+            or context.shape[0] > self.model.text_len
+        ):
+            got = list(context.shape) if isinstance(context, torch.Tensor) else type(context).__name__
+            raise ValueError(f"context: expected [tokens <= {self.model.text_len}, text_dim], got {got}")
+        self._context = context.to(self.device)
+        self._cross = [None] * len(self.model.blocks)
+        self._text_emb = None
 
     def latent(self) -> torch.Tensor:
         """The finished chunks concatenated [16, chunk * done, lat_h, lat_w]."""
@@ -433,6 +478,7 @@ class FastSession:
         self._cache.k, self._cache.v = [], []
         self._kv.text = [None] * len(self.model.blocks)
         self._noise = []
+        self._y_all = None
 
     def kv_cache_bytes(self) -> int:
         cross = sum(t.numel() * t.element_size() for kv in self._kv.text if kv is not None for t in kv)

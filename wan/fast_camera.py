@@ -1,4 +1,5 @@
-"""Camera tensors for LingBot-World-Fast: a whole pose path up front, or act2cam keys chunk by chunk.
+"""Camera tensors for LingBot-World-Fast: a whole pose path up front, or act2cam keys chunk by chunk
+(the keys' integrator is `session.controls`; the packing and the key lines' rules are here).
 
 Whole path (upstream's Fast rule, `pose_camera`): the poses the request uses (a pose file cut to the
 requested 4n+1 frames, or act2cam's F+1 synthetic poses) are interpolated to exactly `lat_f` latent poses
@@ -6,7 +7,7 @@ spread over their whole span, where lat_f is already rounded down to whole chunk
 frames from 161 poses give 39 latent poses spaced 160/38 frames apart, not the first 153 frames' poses.
 Then framewise relative poses, translations divided by the path's largest step, rays packed as base-cam.
 
-Steering (`KeySteering`, `keys_camera`): the path grows one chunk of keys at a time, so nothing may depend
+Steering (`session.controls.KeySteering`): the path grows one chunk of keys at a time, so nothing may depend
 on keys that have not arrived. Two upstream act2cam rules look at the whole path and are replaced:
 - upstream spreads its latent poses over the whole key sequence; here latent frame i takes the act2cam
   pose at video frame 4i exactly (after key rows 0..4i-1), no interpolation;
@@ -25,7 +26,7 @@ takes 4*(CHUNK-1) key rows (v1 Fast, 3 latent frames a chunk: 9 frames, poses 1.
 import numpy as np
 import torch
 
-from .actions import IJKL, MOVE_STEP, WASD, actions_to_poses, parse_action_string
+from .actions import IJKL, MOVE_STEP, WASD, parse_action_string
 from .camera import (
     interpolate_poses,
     pack_pixels,
@@ -33,7 +34,6 @@ from .camera import (
     ray_field,
     relative_poses,
     scale_intrinsics,
-    se3_inverse,
     validate_actions,
     validate_intrinsics,
     validate_poses,
@@ -45,7 +45,7 @@ from .fast import CHUNK_FRAMES
 KEY_STEP = VAE_STRIDE[0] * MOVE_STEP / (1 + 1e-6)
 
 
-def _pack(c2w: torch.Tensor, intrinsics, size, control_type: str, wasd, dtype, device) -> torch.Tensor:
+def pack_camera(c2w: torch.Tensor, intrinsics, size, control_type: str, wasd, dtype, device) -> torch.Tensor:
     """Relative c2w [n, 4, 4] (+ Act's W, A, S, D rows [n, 4]) -> [1, C, n, lat_h, lat_w], one frame at a time."""
     lat_h, lat_w, h, w = size
     Ks = torch.from_numpy(np.ascontiguousarray(validate_intrinsics(intrinsics))).float()
@@ -88,7 +88,7 @@ def pose_camera(
             raise ValueError(f"actions: expected at least {lat_f} rows every 4th frame, got {len(rows)}")
         wasd = torch.from_numpy(np.ascontiguousarray(rows[:lat_f])).float()
     c2w = relative_poses(interpolate_poses(poses, lat_f), framewise=True)
-    return _pack(c2w, intrinsics, size, control_type, wasd, dtype, device)
+    return pack_camera(c2w, intrinsics, size, control_type, wasd, dtype, device)
 
 
 # ------------------------------------------------------------------------------------------ steering
@@ -121,64 +121,3 @@ def parse_keys_line(line: str, where: str = "keys") -> np.ndarray:
             "through the chunk (e.g. 'w', 'wj', 'sl') or 'none'"
         )
     return np.concatenate([wasd[0], ijkl[0]])
-
-
-class KeySteering:
-    """The act2cam path, extended one chunk of keys at a time; `camera(k)` is chunk k's camera slice.
-
-    size: (lat_h, lat_w, h, w); intrinsics: [N, 4] at 480x832 (row 0 used); chunk: latent frames a chunk."""
-
-    def __init__(
-        self, size: tuple, intrinsics, dtype: torch.dtype = torch.bfloat16, device="cpu", chunk=CHUNK_FRAMES
-    ):
-        self.size, self.dtype, self.device, self.chunk = size, dtype, device, chunk
-        self.intrinsics = validate_intrinsics(intrinsics)
-        self.keys: list[np.ndarray] = []  # one [8] row of keys per chunk
-        self._rows: list[np.ndarray] = []  # [8] per video frame
-
-    @property
-    def chunks(self) -> int:
-        return len(self.keys)
-
-    def add(self, keys: np.ndarray) -> None:
-        """The keys (parse_keys_line's [8] row) held through the next chunk."""
-        keys = np.asarray(keys, dtype=np.float32).reshape(8)
-        self.keys.append(keys)
-        self._rows.extend([keys] * chunk_key_rows(len(self.keys) - 1, self.chunk))
-
-    def latent_poses(self) -> torch.Tensor:
-        """c2w float32 [chunk * chunks, 4, 4] at video frames 0, 4, 8, ... of the path so far."""
-        rows = np.asarray(self._rows).reshape(-1, 8)
-        poses = actions_to_poses(rows[:, :4], rows[:, 4:])
-        return torch.from_numpy(poses[:: VAE_STRIDE[0]]).float()
-
-    def camera(self, k: int) -> torch.Tensor:
-        """Chunk k's packed camera [1, 384, chunk, lat_h, lat_w]; needs the keys of chunks 0..k."""
-        if not 0 <= k < self.chunks:
-            raise ValueError(f"chunk {k}: keys are known for chunks 0..{self.chunks - 1}")
-        return self._slice(self.latent_poses(), k * self.chunk, (k + 1) * self.chunk)
-
-    def _slice(self, poses: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        rel = []
-        for i in range(start, end):  # each frame from its own two poses: a prefix never changes
-            if i == 0:
-                rel.append(torch.eye(4))
-            else:
-                rel.append(torch.matmul(se3_inverse(poses[i - 1 : i]), poses[i : i + 1])[0])
-        c2w = torch.stack(rel)
-        c2w[:, :3, 3] /= KEY_STEP
-        return _pack(c2w, self.intrinsics, self.size, "cam", None, self.dtype, self.device)
-
-    def full_camera(self) -> torch.Tensor:
-        """The whole path so far at once: [1, 384, chunk * chunks, lat_h, lat_w]."""
-        return self._slice(self.latent_poses(), 0, self.chunks * self.chunk)
-
-
-def keys_camera(
-    lines, size: tuple, intrinsics, dtype: torch.dtype = torch.bfloat16, device="cpu", chunk=CHUNK_FRAMES
-):
-    """Offline: all key lines (one per chunk) -> the packed camera of the whole clip."""
-    steering = KeySteering(size, intrinsics, dtype, device, chunk)
-    for n, line in enumerate(lines, start=1):
-        steering.add(parse_keys_line(line, f"keys line {n}"))
-    return steering.full_camera()

@@ -1,0 +1,208 @@
+"""Benchmark: live play (session.play + the standalone server) driven by a scripted client, no display.
+
+Builds (once, under --workdir) a random checkpoint of --model at full size as `bench_pipeline --command fast`
+does (v2 1.3B as released, v2 14B / v1 Fast as NF4 folders, a random umT5-XXL, tokenizer and Wan2.1 VAE),
+serves a `PlaySession` with `session.play_server.PlayServer` on 127.0.0.1 and connects a scripted WebSocket
+client that plays --chunks chunks: it walks forward, turns right, strafes, looks with the mouse and runs,
+changing keys every --key-period seconds, and receives every JPEG frame. Reported (one JSON line at the end):
+- fps_played: new frames / wall time after the first chunk (the session's figure; `client_fps` is the same
+  counted by the client from frame arrival),
+- s_per_chunk (after the first chunk) and each chunk's seconds,
+- key_to_pixel p50/p95 (session: from the key event's arrival at the server to the hand-out of the first
+  frame of the latent frame it landed in; `client_key_to_frame` p50/p95: from sending the key to receiving
+  the first frame whose pose moved the way the key asks, which includes the chunk the key waited for),
+- peak VRAM.
+
+    python benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model v2-1.3b   # 464x832, 18/6
+    python benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model v2-14b
+    python benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model fast
+    python benchmarks/bench_play.py --scale tiny --workdir /tmp/bench_play_tiny               # CPU check
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from bench_pipeline import build_fast_checkpoint  # noqa: E402
+
+from lingbot import load_pack  # noqa: E402
+
+load_pack()
+from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir  # noqa: E402
+from lingbot_world.session import play, play_server  # noqa: E402
+
+# (seconds into the script, message): walk, turn, strafe, mouse look, run
+SCRIPT = [
+    {"type": "key", "key": "KeyW", "down": True},
+    {"type": "key", "key": "ArrowRight", "down": True},
+    {"type": "key", "key": "ArrowRight", "down": False},
+    {"type": "key", "key": "KeyW", "down": False},
+    {"type": "key", "key": "KeyD", "down": True},
+    {"type": "key", "key": "KeyD", "down": False},
+    {"type": "look", "dx": 80, "dy": 0},
+    {"type": "key", "key": "ShiftLeft", "down": True},
+    {"type": "key", "key": "KeyW", "down": True},
+    {"type": "key", "key": "KeyW", "down": False},
+    {"type": "key", "key": "ShiftLeft", "down": False},
+]
+
+
+def moved(before: np.ndarray, after: np.ndarray, msg: dict) -> bool:
+    """Whether the pose change from `before` to `after` (c2w [3, 4]) is what `msg` asks for."""
+    if msg["type"] == "look" or msg["key"] == "ArrowRight":
+        yaw = lambda p: np.arctan2(p[0, 2], p[2, 2])  # noqa: E731
+        return abs(yaw(after) - yaw(before)) > 1e-4
+    if msg["key"] in ("KeyW", "KeyD"):
+        return float(np.linalg.norm(after[:, 3] - before[:, 3])) > 1e-4
+    return False
+
+
+async def client(url: str, chunks_frames: int, key_period: float) -> dict:
+    import aiohttp
+
+    arrivals, pose_log, sent, latencies = [], [], [], []
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(url + "ws", max_msg_size=1 << 26)
+        hello = json.loads((await ws.receive(timeout=3600)).data)
+        script = iter(SCRIPT)
+        next_key = None
+        while len(arrivals) < chunks_frames:
+            msg = await ws.receive(timeout=3600)
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                data = json.loads(msg.data)
+                if data["type"] == "error":
+                    raise RuntimeError(data["message"])
+                continue
+            if msg.type != aiohttp.WSMsgType.BINARY:
+                raise RuntimeError(f"the socket ended after {len(arrivals)} frames")
+            now = time.perf_counter()
+            index, rollout, latent, pose, _ = play_server.parse_frame_message(msg.data)
+            arrivals.append(now)
+            pose_log.append(pose)
+            for item in sent:  # the first frame that moved as the key asked, after the key was sent
+                if item["frame"] is None and len(pose_log) > 1 and moved(pose_log[-2], pose, item["msg"]):
+                    if index > item["after_index"]:
+                        item["frame"] = index
+                        latencies.append(now - item["t"])
+            if next_key is None:
+                next_key = now + key_period
+            if now >= next_key:
+                key = next(script, None)
+                if key is not None:
+                    await ws.send_str(json.dumps(key))
+                    if key["type"] == "look" or key.get("down"):
+                        sent.append(
+                            {"msg": key, "t": time.perf_counter(), "after_index": index, "frame": None}
+                        )
+                next_key = now + key_period
+        await ws.close()
+    return {"role": hello["role"], "arrivals": arrivals, "latencies": latencies}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
+    ap.add_argument("--workdir", type=Path, required=True, help="where the random checkpoint is written once")
+    ap.add_argument("--model", choices=["v2-1.3b", "v2-14b", "fast"], default="v2-1.3b")
+    ap.add_argument("--chunks", type=int, default=None, help="chunks to play (full: 24; tiny: 4)")
+    ap.add_argument("--size", default=None, help="H*W pixel area (full: 480*832 -> 464x832; tiny: 64*112)")
+    ap.add_argument("--local_attn_size", type=int, default=18)
+    ap.add_argument("--sink_size", type=int, default=6)
+    ap.add_argument("--mode", choices=["history", "hold"], default="history")
+    ap.add_argument("--key-period", type=float, default=None, help="seconds between script keys")
+    ap.add_argument("--kv_dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--t5_cpu", action="store_true", help="encode the prompt on the CPU")
+    args = ap.parse_args()
+    full = args.scale == "full"
+    if full and not torch.cuda.is_available():
+        raise SystemExit("--scale full needs a CUDA GPU")
+    device = torch.device("cuda" if full else "cpu")
+    chunks = args.chunks or (24 if full else 4)
+    h, w = (480, 832) if full else (64, 112)
+    if args.size:
+        h, w = (int(v) for v in args.size.split("*"))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    ckpt, assets = build_fast_checkpoint(args.workdir, args.model, args.scale)
+    files = resolve_fast_dir(ckpt, args.model, assets)
+    session = play.PlaySession(
+        files,
+        device,
+        local_attn_size=args.local_attn_size,
+        sink_size=args.sink_size,
+        kv_dtype=args.kv_dtype,
+        area=h * w,
+        mode=args.mode,
+        t5_mode="subprocess" if full else "inprocess",
+        t5_device="cpu" if args.t5_cpu else None,
+        condition_frames=play.CONDITION_FRAMES if full else 4,
+    )
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(3, h, w, generator=g) * 2 - 1
+    server = play_server.PlayServer(session, image, "a sunny street with old houses", "127.0.0.1", 0)
+    result = {}
+
+    def serve():
+        try:
+            result["stats"] = server.serve()
+        except BaseException as err:
+            result["error"] = err
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    play_server.wait_port(server)
+    chunk = files.kind.chunk_frames
+    frames = (chunk - 1) * 4 + 1 + (chunks - 1) * chunk * 4
+    key_period = args.key_period or (1.0 if full else 0.5)
+    seen = asyncio.run(client(server.url, frames, key_period))
+    thread.join(600)
+    if "error" in result:
+        raise result["error"]
+    stats = result["stats"]
+    arrivals = seen["arrivals"]
+    first_chunk = (chunk - 1) * 4 + 1
+    steady = arrivals[first_chunk - 1 :]
+    client_fps = (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None
+    lat = seen["latencies"]
+    summary = {
+        "bench": "play",
+        "scale": args.scale,
+        "model": args.model,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "size": list(session.size[2:]),
+        "window": [session.config.local_attn_size, session.config.sink_size],
+        "kv_dtype": args.kv_dtype,
+        "mode": args.mode,
+        "chunks": stats["chunks"],
+        "frames_received": len(arrivals),
+        "fps_played": stats["fps_played"],
+        "client_fps": client_fps,
+        "s_per_chunk": stats["s_per_chunk"],
+        "chunk_s": [round(v, 4) for v in session.chunk_seconds],
+        "key_to_pixel_p50_s": stats["key_to_pixel_p50_s"],
+        "key_to_pixel_p95_s": stats["key_to_pixel_p95_s"],
+        "key_events_measured": stats["key_events_measured"],
+        "client_key_to_frame_p50_s": play.percentile(lat, 50),
+        "client_key_to_frame_p95_s": play.percentile(lat, 95),
+        "client_keys_seen": len(lat),
+        "peak_vram_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

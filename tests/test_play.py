@@ -1,0 +1,127 @@
+"""Live play's session (session.play) on the tiny Fast checkpoint: headless, a scripted clock and keys."""
+
+import numpy as np
+import pytest
+import torch
+from lingbot_world import cli
+from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+from lingbot_world.session import play
+from lingbot_world.session.controls import MOVE_STEP, PoseTrack, Slot
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make_session(fast_ckpt, frames, clock, **kw):
+    files = resolve_fast_dir(fast_ckpt)
+    return play.PlaySession(
+        files,
+        "cpu",
+        area=64 * 112,
+        t5_mode="inprocess",
+        condition_frames=4,
+        clock=clock,
+        on_frame=frames.append,
+        **kw,
+    )
+
+
+@pytest.fixture
+def image(shipped_example):
+    return cli.load_image(shipped_example / "image.jpg")
+
+
+def test_play_three_chunks_follows_the_keys(fast_ckpt, image, monkeypatch):
+    """v1 Fast (3 latent frames a chunk), history mode: W pressed in the second half of the first window moves
+    only in latent frame 2; a right turn from the start of the next window turns all of chunk 1; released in
+    the last third of chunk 2's window: chunk 2 turns twice, then stands."""
+    encoded = []
+    real_encode = play.text_encode.encode_prompts
+
+    def encode(path, prompts, **kw):
+        encoded.append(prompts[0])
+        return real_encode(path, prompts, **kw)
+
+    monkeypatch.setattr(play.text_encode, "encode_prompts", encode)
+    clock, frames = Clock(), []
+    session = make_session(fast_ckpt, frames, clock)
+    try:
+        session.start(image, "a castle")
+        assert (
+            session.config.local_attn_size == play.PLAY_WINDOW[0]
+        )  # v1 Fast's unbounded cache gets a window
+        session.key("KeyW", True, 0.6)
+        session.key("KeyX", True, 0.7)  # ignored
+        clock.t = 1.0
+        assert session.step() == 9  # 1 + 4 + 4 frames
+        session.key("KeyW", False, 1.2)
+        session.key("ArrowRight", True, 1.2)
+        clock.t = 2.0
+        assert session.step() == 12
+        session.key("ArrowRight", False, 2.9)
+        session.set_prompt("a castle at night")
+        clock.t = 3.0
+        assert session.step() == 12
+        assert encoded == ["a castle", "a castle at night"]
+
+        want = PoseTrack()
+        w, right, none = Slot(frozenset({"w"})), Slot(frozenset({"right"})), Slot()
+        want.advance([none, w])
+        want.advance([right] * 3)
+        want.advance([right, right, none])
+        assert np.array_equal(np.stack(session.poses), np.stack(want.poses))
+        np.testing.assert_allclose(session.poses[2][:3, 3], [0, 0, 4 * MOVE_STEP], atol=1e-6)
+        assert np.array_equal(session.poses[8], session.poses[7])  # the last latent frame stands still
+        assert not np.allclose(session.poses[7][:3, :3], session.poses[2][:3, :3])  # it turned
+
+        assert [f.index for f in frames] == list(range(33))
+        assert [f.latent for f in frames] == [0] + [i for i in range(1, 9) for _ in range(4)]
+        h, w = session.size[2:]
+        assert all(f.image.shape == (h, w, 3) and f.image.dtype == torch.uint8 for f in frames)
+        assert all(np.array_equal(f.pose, session.poses[f.latent]) for f in frames)
+        stats = session.stats()
+        assert stats["frames"] == 33 and stats["chunks"] == 3 and stats["rollouts"] == 1
+        # 4 key edges landed (W down, W up, right down, right up); the ignored key is not one of them
+        assert stats["key_events_measured"] == 4
+        assert session._model.loads == 1
+    finally:
+        session.close()
+    assert session._session is None and session._model is None
+
+
+def test_play_restarts_without_reloading(fast_ckpt, image, monkeypatch):
+    """R and the end of the RoPE table both start a new rollout from the image: identity pose, 1 frame for its
+    first latent frame, indices continuing; the model is loaded once."""
+    monkeypatch.setattr(play, "rollout_latent_frames", lambda chunk: 2 * chunk)  # 2 chunks a rollout
+    clock, frames = Clock(), []
+    session = make_session(fast_ckpt, frames, clock, mode="hold")
+    try:
+        session.start(image, "a castle")
+        session.key("d", True, 0.5)
+        counts = []
+        for t in (1.0, 2.0, 3.0):  # the third chunk is past the 2-chunk rollout: a new one
+            clock.t = t
+            counts.append(session.step())
+        session.restart()
+        clock.t = 4.0
+        counts.append(session.step())
+        assert counts == [9, 12, 9, 9]
+        assert session.rollouts == 3 and session._model.loads == 1
+        assert [f.index for f in frames] == list(range(39))
+        firsts = [f for f in frames if f.latent == 0]
+        assert [f.index for f in firsts] == [0, 21, 30] and [f.rollout for f in firsts] == [0, 1, 2]
+        assert all(np.array_equal(f.pose, np.eye(4)) for f in firsts)
+        # hold mode: D held from the first latent frame of each rollout's first chunk
+        np.testing.assert_allclose(session.poses[1][:3, 3], [4 * MOVE_STEP, 0, 0], atol=1e-6)
+    finally:
+        session.close()
+
+
+def test_play_refuses_an_unbounded_cache(fast_ckpt):
+    with pytest.raises(ValueError, match="local_attn_size: play runs without end"):
+        make_session(fast_ckpt, [], Clock(), local_attn_size=-1)

@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import folder_paths
+import torch
 
 from ..loaders import fast_run
+from ..loaders import planner as memplan
 from ..loaders.fast_checkpoint import KINDS, MODEL_CHOICES, detect_kind, fast_model_dir
 from ..loaders.formats import DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, ExpertSource, detect_expert_format
 from ..loaders.request import RequestError, check_text_dim
 from ..wan import i2v
 from ..wan.config import CHUNKED_KINDS, ChunkedKind
-from ..wan.fast import FastSession, fast_frame_num, fast_latent_frames, kv_cache_bytes_for
+from ..wan.fast import FastSession, fast_frame_num, fast_latent_frames
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
@@ -27,6 +29,9 @@ NO_MODEL = "(none found: set ckpt_dir)"
 SHARD = re.compile(r"(diffusion_pytorch_model|model)-\d+-of-\d+\.safetensors")
 # Sampler settings that mean "the model kind's documented run" (shift, local_attn_size, sink_size).
 KIND_SHIFT, KIND_WINDOW, KIND_SINK = 0.0, -2, -1
+# The planner's CLI flags -> this pack's widgets (the others have the same names: local_attn_size, sink_size,
+# kv_dtype, swap_blocks).
+WIDGETS = {"size": "max_area (or width/height)"}
 log = logging.getLogger("LingBot-World")
 
 
@@ -51,8 +56,21 @@ class FastHandle(ExpertsHandle):
     kind: ChunkedKind = field(default_factory=lambda: CHUNKED_KINDS["fast"])
 
     def model(self, device, working_bytes: int):
-        """The loaded model on `device` (ComfyUI asked for room first)."""
+        """The loaded model on `device` (ComfyUI asked for its resident bytes + `working_bytes` first)."""
         return self.provider(device, working_bytes, {})("high")
+
+    def planned(self) -> fast_run.ChunkedModel:
+        """What the planner's `fast_memory` needs of the model: its architecture and bytes on the device."""
+        return fast_run.ChunkedModel(self.config, self.nbytes["high"])
+
+
+def fit_issue(model: FastHandle, lat_shape: tuple, config, free_vram: int | None) -> str | None:
+    """The planner's fit check (`fast_run.fast_fit_issue`) against `free_vram`, in the node's words; the VAE
+    nodes tile to fit ('auto')."""
+    issue = fast_run.fast_fit_issue(
+        model.planned(), lat_shape, config, None, model.swap_blocks, free_vram, "auto"
+    )
+    return issue and re.sub(r"--(\w+)", lambda m: WIDGETS.get(m[1], m[1]), issue)
 
 
 class LingBotFastLoader:
@@ -330,23 +348,30 @@ class LingBotFastSampler:
         else:
             frames = fast_frame_num(length, chunk)
         lat_f = fast_latent_frames(frames, chunk)
-        chunks = lat_f // chunk
+        chunks, lat_shape = lat_f // chunk, (lat_f, *size[:2])
+        need = fast_run.fast_memory(model.planned(), lat_shape, config, None, model.swap_blocks, "auto")
+        if device.type == "cuda":  # ComfyUI unloads its models first: the check sees what the run can have
+            memory.make_room(need.peak, device)
+            issue = fit_issue(model, lat_shape, config, memplan.free_memory(device)[0])
+            if issue is not None:
+                raise ValueError(f"memory: {issue}")
         hooks, phases = memory.sampling_hooks(chunks)
-        with hooks.in_phase("vae_encode"):
-            y = fast_run.condition(img, vae.encode, frames, size, device)
-        kv = kv_cache_bytes_for(model.config, (lat_f, *size[:2]), config)
-        session = None
+        session = y = error = None
         try:
+            with hooks.in_phase("vae_encode"):
+                y = fast_run.condition(img, vae.encode, frames, size, device)
             with hooks.in_phase("load_model"):
-                dit = model.model(device, kv + y.numel() * 4 * 4)
-            session = FastSession(dit, context.to(device), y, (lat_f, *size[:2]), config, device, hooks)
-            del y
+                dit = model.model(device, need.loop - need.model)  # ComfyUI is asked for need.loop in all
+            session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
             timings = []
             with hooks.in_phase("chunks"):
                 fast_run.run_chunks(
                     session, fast_run.whole_path_cameras(cam, chunk), None, lambda c, v, t: timings.append(t)
                 )
             latent = session.latent()
+        except torch.OutOfMemoryError:
+            model.close()
+            error = memplan.oom_error(hooks.current, None)
         except BaseException as e:
             model.close()  # errors and interrupts also drop what keep_in_ram_gb kept
             log.info("LingBot-World-Fast sampling stopped (%s); model released", type(e).__name__)
@@ -354,7 +379,11 @@ class LingBotFastSampler:
         finally:
             if session is not None:
                 session.close()
+            session = y = None
             memory.after_release()
+        if error is not None:  # raised outside the handler, so the failed step's tensors are freed first
+            memory.after_release()
+            raise RuntimeError(f"LingBot-World-Fast: {error.detail}")
         model.release()
         log.info(
             "%s, %d frames at %dx%d in %d chunks:\n%s\n%s",

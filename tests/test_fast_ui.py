@@ -294,3 +294,94 @@ def test_memory_check_names_what_would_fit(fast_ckpt):
     message = issue(full.peak - 1)
     assert "predicted peak" in message and "--local_attn_size" in message and "--kv_dtype fp8" in message
     assert issue(1).endswith("fewer frames or a smaller --size")
+
+
+def test_fast_node_asks_comfyui_for_the_planners_figure(fast_ckpt, shipped_example, tmp_path, fake_comfy):
+    """The Fast sampler node asks ComfyUI's free_memory for what the planner predicts the run allocates on
+    the device (the CLI's `fast_memory`: the resident model, the caches, a chunk's work, the condition), so
+    a window or fp8 K/V asks for less by exactly the caches they save."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    calls = nodes.memory.mm.free_memory_calls
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    files = resolve_fast_dir(fast_ckpt)
+    asked, caches = {}, {}
+    for window, kv in ((-1, "bf16"), (3, "fp8")):
+        calls.clear()
+        nodes.LingBotFastSampler().sample(
+            model,
+            vae,
+            image,
+            "max_area",
+            "64*112",
+            832,
+            480,
+            21,
+            5,
+            10.0,
+            window,
+            0,
+            kv,
+            camera=camera,
+            text=text,
+        )
+        config = fast_run.fast_config(10.0, 5, window, 0, kv)
+        need = fast_run.fast_memory(files, (6, *SIZE[:2]), config, None, 0, "auto")
+        assert calls == [(need.model + need.caches + need.work + need.condition, torch.device("cpu"))], window
+        asked[window], caches[window] = calls[0][0], need.caches
+    assert asked[-1] - asked[3] == caches[-1] - caches[3] > 0
+
+
+def test_fast_node_turns_cuda_oom_into_a_clear_error(
+    fast_ckpt, shipped_example, tmp_path, fake_comfy, monkeypatch
+):
+    """A CUDA out-of-memory during the chunks: the node's error names the phase as the CLI's does, and the
+    model is released (not kept for the next run)."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    loaded = []
+
+    def run_chunks(session, *args):
+        loaded.append(model._switcher.resident)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(fast_run, "run_chunks", run_chunks)
+    with pytest.raises(RuntimeError) as err:
+        nodes.LingBotFastSampler().sample(
+            model,
+            vae,
+            image,
+            "max_area",
+            "64*112",
+            832,
+            480,
+            21,
+            5,
+            10.0,
+            3,
+            0,
+            "bf16",
+            camera=camera,
+            text=text,
+        )
+    assert not isinstance(err.value, torch.OutOfMemoryError)
+    assert str(err.value) == "LingBot-World-Fast: CUDA ran out of memory during chunks; models released"
+    assert loaded == ["high"] and model._switcher is None
+
+
+def test_fast_node_fit_check_names_the_widgets_that_fit(fast_ckpt, tmp_path, fake_comfy):
+    """The node's fit check (run on CUDA with the free VRAM after ComfyUI made room) is the planner's: None
+    when the predicted peak fits, else its message with the settings that fit, as the node's widgets."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    shape, config = (30, 58, 104), fast_run.fast_config(10.0, 5, -1, 0, "bf16")
+    peak = fast_run.fast_memory(resolve_fast_dir(fast_ckpt), shape, config, None, 0, "auto").peak
+    assert nodes.fast.fit_issue(model, shape, config, peak) is None
+    assert nodes.fast.fit_issue(model, shape, config, None) is None  # CPU: nothing to check
+    message = nodes.fast.fit_issue(model, shape, config, peak - 1)
+    assert message.startswith(f"predicted peak {peak / (1 << 30):.1f} GiB") and "--" not in message
+    assert "would fit with local_attn_size" in message and " or kv_dtype fp8" in message
+    assert nodes.fast.fit_issue(model, shape, config, 1).endswith(
+        "fewer frames or a smaller max_area (or width/height)"
+    )

@@ -26,7 +26,7 @@ What else runs under it, and why it needs nothing of the collectives:
 - the step cache (`wan.step_cache`): it decides from the replicated latent and the gathered prediction,
   the same bytes on every rank; the decision is still taken from rank 0 (`agree`), so the ranks skip the
   same forwards and their collectives stay paired even where a reduction rounds differently on unlike GPUs.
-- compile is refused (`loaders.request.check_ulysses`): the compiled blocks would trace the collectives.
+- compile is refused (`session.request.check_ulysses`): the compiled blocks would trace the collectives.
 
 The heads must split evenly (the A14B's 40 heads: N in 1, 2, 4, 5, 8, 10, 20, 40).
 

@@ -11,7 +11,7 @@
 - ``lean_activations``: True runs each DiT block chunk by chunk with only the full-length tensors alive
   (`wan.dit.WanAttentionBlock.forward_lean`: ~14 instead of ~35 [dim] vectors per token); values equal
   the normal path up to GEMM row blocking. 'auto' (the default) is decided by the run planner
-  (`loaders.request.plan_request`): on only when the run would not fit otherwise, before any block
+  (`session.request.plan_request`): on only when the run would not fit otherwise, before any block
   swap; an 'auto' no planner resolved runs as off. Not with ``compile`` (refused when both are on;
   'auto' never picks it under compile).
 Guide scale 1 always runs one forward per step (the cond prediction, exactly); no option needed.

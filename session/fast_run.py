@@ -14,6 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..loaders.camera_files import CameraInput
+from ..loaders.experts import ExpertSwitcher
+from ..loaders.fast_checkpoint import FastFiles
+from ..loaders.formats import ExpertSource, expected_layout
 from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
 from ..wan.config import A14B, CHUNKED_KINDS, ChunkedKind, DiTConfig, SampleConfig
@@ -28,10 +32,6 @@ from ..wan.fast import (
 )
 from ..wan.fast_camera import KeySteering, parse_keys_line, pose_camera
 from ..wan.pipeline import frames_to_uint8
-from .camera_files import CameraInput
-from .experts import ExpertSwitcher
-from .fast_checkpoint import FastFiles
-from .formats import ExpertSource, expected_layout
 from .planner import (
     DECODE_MIN_TILE,
     ENCODE_RAM_BASE,
@@ -374,10 +374,16 @@ MP4_RAM_PER_PIXEL = 100
 class FastMemory:
     model: int  # the DiT on the device (swapped blocks excluded, two in flight)
     caches: int  # self- and cross-attention K/V at their largest
-    work: int  # the larger of a chunk's forward and a chunk's VAE decode (they do not overlap)
+    work_forward: int  # a chunk's forward
+    work_decode: int = 0  # a chunk's VAE decode, when the run decodes each chunk (the CLI; not the node)
     condition: int = 0  # the i2v condition of the whole clip, kept on the device through the loop
     encode: int = 0  # the first-frame encode, before the model loads: the whole clip's video on the device
     ram: int = 0  # host RAM at its largest: the encode's input video, or the loop with the MP4 streamed
+
+    @property
+    def work(self) -> int:
+        """The larger of a chunk's forward and its decode (they do not overlap)."""
+        return max(self.work_forward, self.work_decode)
 
     @property
     def loop(self) -> int:
@@ -395,11 +401,13 @@ def fast_memory(
     quantize: bool | None,
     swap: int,
     tile=None,
+    decode: bool = True,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
     encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept. `files`: a
-    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files)."""
+    FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files). `decode`:
+    the loop decodes each chunk (the CLI); False where the decode runs elsewhere (the sampler node)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -407,10 +415,10 @@ def fast_memory(
     tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(m.nbytes, cfg.num_layers, swap)
     fixed = tile if isinstance(tile, tuple) else None
-    decode = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True)
+    decoding = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True) if decode else 0
     # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
-    work = max(int(tokens * FAST_CHUNK_PER_TOKEN * scale), decode)
+    forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
     least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
@@ -422,7 +430,8 @@ def fast_memory(
             PROCESS_RAM + MP4_RAM_PER_PIXEL * pixels + sum(swap_host_ram(m.nbytes, cfg.num_layers, swap)),
         )
     )
-    return FastMemory(model, kv_cache_bytes_for(cfg, lat_shape, config), work, condition, encode, ram)
+    caches = kv_cache_bytes_for(cfg, lat_shape, config)
+    return FastMemory(model, caches, forward, decoding, condition, encode, ram)
 
 
 def fast_fit_issue(
@@ -434,13 +443,14 @@ def fast_fit_issue(
     free_vram: int | None,
     tile=None,
     free_ram: int | None = None,
+    decode: bool = True,
 ) -> str | None:
     """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
     with the predicted peak and the settings that would fit (a window with a 3-frame sink, fp8 K/V, block
-    swap)."""
+    swap); `decode` as `fast_memory`'s."""
     gib = 1 << 30
     files = chunked_model(files, quantize)
-    need = fast_memory(files, lat_shape, config, quantize, swap, tile)
+    need = fast_memory(files, lat_shape, config, quantize, swap, tile, decode)
     frames = (lat_shape[0] - 1) * 4 + 1
     if free_ram is not None and need.ram > free_ram:
         return (
@@ -454,19 +464,22 @@ def fast_fit_issue(
         if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
             continue
         trial = replace(config, local_attn_size=window, sink_size=min(3, window - config.chunk_frames))
-        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
+        if fast_memory(files, lat_shape, trial, quantize, swap, tile, decode).peak <= free_vram:
             options.append(f"--local_attn_size {window} --sink_size {trial.sink_size}")
             break
     if config.kv_dtype is None:
         trial = replace(config, kv_dtype=torch.float8_e4m3fn)
-        if fast_memory(files, lat_shape, trial, quantize, swap, tile).peak <= free_vram:
+        if fast_memory(files, lat_shape, trial, quantize, swap, tile, decode).peak <= free_vram:
             options.append("--kv_dtype fp8")
     layers = files.config.num_layers
-    if swap < layers and fast_memory(files, lat_shape, config, quantize, layers, tile).peak <= free_vram:
+    if (
+        swap < layers
+        and fast_memory(files, lat_shape, config, quantize, layers, tile, decode).peak <= free_vram
+    ):
         need_swap = next(
             n
             for n in range(swap, layers + 1)
-            if fast_memory(files, lat_shape, config, quantize, n, tile).peak <= free_vram
+            if fast_memory(files, lat_shape, config, quantize, n, tile, decode).peak <= free_vram
         )
         options.append(f"--swap_blocks {need_swap}")
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"

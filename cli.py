@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ def import_runtime() -> None:
     """Import torch and the model code into this module (once). `main` does it after parsing; a library
     caller gets it on first use of one of these names (`cli.pipeline`, see `__getattr__`), or calls it."""
     global torch, tqdm, camera_authoring, camera_files, camera_preview, demo_assets, distributed
-    global fast_run, monitor, text_encode, video, memplan, chunked, generate, load_vae, save_comfy_latent
+    global fast_run, monitor, text_encode, video, memplan, chunked, generate
     global LoraSpec, parse_lora_spec, RequestError, MAX_FRAMES, plan_request, plan_size, i2v, pipeline
     global fast_frame_num, fast_latent_frames, KeySteering, KINDS
     global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile
@@ -53,9 +52,7 @@ def import_runtime() -> None:
         video,
     )
     from .loaders.fast_checkpoint import KINDS
-    from .loaders.latent_file import save_comfy_latent
     from .loaders.lora import LoraSpec, parse_lora_spec
-    from .loaders.vae import load_vae
     from .session import chunked, distributed, fast_run, generate
     from .session import planner as memplan
     from .session.request import MAX_FRAMES, RequestError, plan_request, plan_size
@@ -69,7 +66,7 @@ def import_runtime() -> None:
 
 
 def __getattr__(name: str):
-    """The model code's names for a caller using this module as a library (tests patch `cli.load_vae`)."""
+    """The model code's names for a caller using this module as a library (tests patch `cli.text_encode`)."""
     if "_runtime_ready" not in globals() and not name.startswith(
         "__"
     ):  # (the import system asks for __path__)
@@ -1254,16 +1251,6 @@ def write_report(path: Path | None, log: monitor.PhaseLog) -> None:
 
 
 def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):
-    with hooks.in_phase("text_encode"):
-        (context,) = text_encode.encode_prompts(
-            files.text_encoder,
-            [args.prompt],
-            tokenizer_path=files.tokenizer,
-            mode=args.t5_mode,
-            device="cpu" if args.t5_cpu else str(device),
-        )
-    with hooks.in_phase("load_vae"):
-        vae = load_vae(files.vae, device)
     if steering is None:
         cameras = fast_run.whole_path_cameras(cam, config.chunk_frames)
     else:
@@ -1273,28 +1260,27 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
         sink.add(frames_out)
         print(timing.line(), flush=True)
 
-    model = fast_run.FastModel(files, device, quantize=args.quantize or None, swap_blocks=swap)
-    try:
-        latent, made = chunked.run(
-            model,
-            functools.partial(vae.encode, tile=tile),
-            image,
-            context,
-            size,
-            frames,
-            config,
-            cameras,
-            device,
-            hooks,
-            on_chunk,
-            decoding=vae.chunk_decoder(tile),
-        )
-    finally:
-        model.close()
+    latent, made = chunked.run_files(
+        files,
+        args.prompt,
+        image,
+        size,
+        frames,
+        config,
+        cameras,
+        device,
+        hooks,
+        on_chunk,
+        t5_mode=args.t5_mode,
+        t5_device="cpu" if args.t5_cpu else str(device),
+        quantize=args.quantize,
+        swap=swap,
+        tile=tile,
+        save_latent=args.save_latent,
+        overwrite=args.overwrite,
+    )
     if not made:
         raise ValueError("--keys: no key line arrived; nothing was generated")
-    if args.save_latent:
-        save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
     return latent
 
 

@@ -7,13 +7,16 @@ in its own words.
 """
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
 
+from ..loaders import text_encode
 from ..loaders.fast_checkpoint import FastFiles, resolve_fast_dir
+from ..loaders.latent_file import save_comfy_latent
 from ..loaders.text_encoder import read_encoder_config
-from ..loaders.vae import check_vae
+from ..loaders.vae import check_vae, load_vae
 from ..wan.block_swap import resolve_swap_blocks
 from ..wan.config import CHUNKED_KINDS
 from ..wan.fast import FastConfig, FastSession, fast_latent_frames
@@ -112,6 +115,58 @@ def run(
         return (session.latent() if made else None), made
     finally:
         session.close()
+
+
+def run_files(
+    files: FastFiles,
+    prompt: str,
+    image,
+    size: tuple,
+    frames: int,
+    config: FastConfig,
+    cameras,
+    device,
+    hooks,
+    on_chunk: Callable,
+    *,
+    t5_mode: str,
+    t5_device: str,
+    quantize: bool | None,
+    swap: int,
+    tile,
+    save_latent=None,
+    overwrite: bool = False,
+):
+    """A run from the model's files (the CLI's): the prompt's embeddings, the VAE, then `run` with the model
+    streamed in (quantized if asked, `swap` blocks in host RAM) and each chunk decoded with `tile`; the latent
+    also saved for ComfyUI's Load Latent node (`save_latent`). Returns `run`'s (latent or None, chunks made)."""
+    with hooks.in_phase("text_encode"):
+        (context,) = text_encode.encode_prompts(
+            files.text_encoder, [prompt], tokenizer_path=files.tokenizer, mode=t5_mode, device=t5_device
+        )
+    with hooks.in_phase("load_vae"):
+        vae = load_vae(files.vae, device)
+    model = fast_run.FastModel(files, device, quantize=quantize or None, swap_blocks=swap)
+    try:
+        latent, made = run(
+            model,
+            functools.partial(vae.encode, tile=tile),
+            image,
+            context,
+            size,
+            frames,
+            config,
+            cameras,
+            device,
+            hooks,
+            on_chunk,
+            decoding=vae.chunk_decoder(tile),
+        )
+    finally:
+        model.close()
+    if made and save_latent:
+        save_comfy_latent(vae.to_comfy_latent(latent), save_latent, overwrite)
+    return latent, made
 
 
 def settings_issue(frame_num=None, local_attn_size=None, sink_size=None) -> str | None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -23,7 +22,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 # Only what the parser needs is imported here: torch and the model code load in `import_runtime`, once the
 # arguments parse, so `--help` (and a mistyped flag) answers at once.
@@ -34,20 +32,11 @@ from .wan.config import A14B, CHUNKED_KINDS, SampleConfig, max_frame_num
 def import_runtime() -> None:
     """Import torch and the model code into this module (once). `main` does it after parsing; a library
     caller gets it on first use of one of these names (`cli.pipeline`, see `__getattr__`), or calls it."""
-    global torch, tqdm, camera_authoring, camera_files, camera_preview, checkpoints, demo_assets, distributed
-    global fast_run, monitor, stream, text_encode, video, memplan, ExpertSwitcher, resolve_fast_dir
-    global save_comfy_latent, LoraSpec, parse_lora_spec, RequestError, check_lora_merge, check_text_dim
-    global \
-        MAX_FRAMES, \
-        plan_request, \
-        read_encoder_config, \
-        check_vae, \
-        load_vae, \
-        i2v, \
-        pipeline, \
-        resolve_swap_blocks
-    global FastConfig, FastSession, fast_frame_num, fast_latent_frames, KeySteering, KINDS
-    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile, decode_dtype, parallel, SequenceParallel
+    global torch, tqdm, camera_authoring, camera_files, camera_preview, demo_assets, distributed
+    global fast_run, monitor, text_encode, video, memplan, chunked, generate
+    global LoraSpec, parse_lora_spec, RequestError, MAX_FRAMES, plan_request, plan_size, i2v, pipeline
+    global fast_frame_num, fast_latent_frames, KeySteering, KINDS
+    global SpeedOptions, SpeedStats, DEFAULT_OVERLAP, check_tile, decode_dtype, parallel
     if "_runtime_ready" in globals():
         return
     import torch
@@ -57,28 +46,19 @@ def import_runtime() -> None:
         camera_authoring,
         camera_files,
         camera_preview,
-        checkpoints,
         demo_assets,
-        distributed,
-        fast_run,
         monitor,
-        stream,
         text_encode,
         video,
     )
-    from .loaders import planner as memplan
-    from .loaders.experts import ExpertSwitcher
-    from .loaders.fast_checkpoint import KINDS, resolve_fast_dir
-    from .loaders.latent_file import save_comfy_latent
+    from .loaders.fast_checkpoint import KINDS
     from .loaders.lora import LoraSpec, parse_lora_spec
-    from .loaders.request import MAX_FRAMES, RequestError, check_lora_merge, check_text_dim, plan_request
-    from .loaders.text_encoder import read_encoder_config
-    from .loaders.vae import check_vae, load_vae
+    from .session import chunked, distributed, fast_run, generate
+    from .session import planner as memplan
     from .session.controls import KeySteering
+    from .session.request import MAX_FRAMES, RequestError, plan_request, plan_size
     from .wan import i2v, parallel, pipeline
-    from .wan.block_swap import resolve_swap_blocks
-    from .wan.fast import FastConfig, FastSession, fast_frame_num, fast_latent_frames
-    from .wan.parallel import SequenceParallel
+    from .wan.fast import fast_frame_num, fast_latent_frames
     from .wan.speed import SpeedOptions, SpeedStats
     from .wan.vae import DEFAULT_OVERLAP, check_tile, decode_dtype
 
@@ -86,7 +66,7 @@ def import_runtime() -> None:
 
 
 def __getattr__(name: str):
-    """The model code's names for a caller using this module as a library (tests patch `cli.load_vae`)."""
+    """The model code's names for a caller using this module as a library (tests patch `cli.text_encode`)."""
     if "_runtime_ready" not in globals() and not name.startswith(
         "__"
     ):  # (the import system asks for __path__)
@@ -154,7 +134,7 @@ def utf8_text(text: str) -> str:
 
 
 DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when PyTorch sees a GPU, else cpu)"
-KV_DTYPES = ["bf16", "fp8"]  # loaders.fast_run.KV_DTYPES' names, without importing torch to list them
+KV_DTYPES = ["bf16", "fp8"]  # session.fast_run.KV_DTYPES' names, without importing torch to list them
 
 
 def add_seed_arg(p: argparse.ArgumentParser):
@@ -659,7 +639,7 @@ def resolve_device(text: str) -> torch.device:
         raise ValueError(f"--device: only cpu and cuda are supported, got {text!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            from .loaders.doctor import no_gpu_reason
+            from .session.doctor import no_gpu_reason
 
             raise ValueError(
                 f"--device {text}: CUDA is not available: {no_gpu_reason()}; or use --device cpu"
@@ -787,43 +767,24 @@ def vae_tile(text: str):
     return (th, tw)
 
 
-def machine_memory(device) -> tuple:
-    """(free VRAM, available RAM) bytes of this machine for a run on `device`; (None, None) off CUDA."""
-    if device.type != "cuda":
-        return None, None
-    vram, ram = memplan.free_memory(device)
-    if ram is not None:
-        ram += memplan.PROCESS_RAM  # this process's own share is already in the plan's figures
-    return vram, ram
-
-
 def memory_check(args, files, tile, device, free=True, budget=None) -> memplan.MemoryCheck:
     """The planner's inputs from the generate arguments; `free`: check against the device's free memory,
     or against `budget` ((VRAM, RAM) bytes, None where unknown) when given. `files` None (`plan --model
     base-cam`): two NF4 A14B experts sized from their architecture and upstream's umT5."""
-    if files is None:
-        nf4 = fast_run.fp8_bytes(A14B) if getattr(args, "fp8", False) else fast_run.nf4_bytes(A14B)
-        experts, t5_bytes = {"high": nf4, "low": nf4}, memplan.T5_DEFAULT_BYTES
-    else:
-        quantize = load_quantize(args)
-        experts = {
-            e: fast_run.device_bytes(s, quantize) if quantize == "fp8" else s.nbytes
-            for e, s in files.sources.items()
-        }
-        t5_bytes = files.text_encoder.stat().st_size
-    request = memplan.MemoryRequest(
-        expert_bytes=experts,
-        lora_bytes=memplan.lora_bytes(args.lora),
+    budget = budget if budget is not None else generate.machine_memory(device) if free else (None, None)
+    return generate.memory_check(
+        files,
+        args.lora,
+        device.type,
+        budget,
+        quantize=load_quantize(args),
         swap_blocks=getattr(args, "swap_blocks", 0),
         vae_tile=tile,
         t5_mode=args.t5_mode,
         t5_device="cpu" if args.t5_cpu else device.type,
-        t5_bytes=t5_bytes,
         t5_overlap={"on": True, "off": False}.get(args.t5_overlap, "auto"),
         vae_dtype=args.vae_dtype,
     )
-    vram, ram = budget if budget is not None else machine_memory(device) if free else (None, None)
-    return memplan.MemoryCheck(request, "cuda" if vram is not None else device.type, vram, free_ram=ram)
 
 
 def prepare_generate(args, check_memory: bool = True, planning: bool = False):
@@ -833,13 +794,11 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     load_quantize(args, None if planning else device)
     files, config, text_dim = None, A14B, None
     if not getattr(args, "model", None):  # `plan --model base-cam`: the architecture, no files
-        files = checkpoints.resolve_checkpoint_dir(args.ckpt_dir.expanduser().resolve())
-        config, text_dim = files.config, read_encoder_config(files.text_encoder)["dim"]
-        experts = " and ".join(str(files.experts[e]) for e in ("high", "low"))
-        check_text_dim(text_dim, files.config, files.text_encoder, experts)
-        check_vae(files.vae)
-        if getattr(args, "lora_merge", False):
-            check_lora_merge(files.sources, load_quantize(args), args.lora, "--quantize or --fp8")
+        lora_merge = getattr(args, "lora_merge", False)
+        files, text_dim = generate.check_files(
+            args.ckpt_dir, load_quantize(args), args.lora, lora_merge, "--quantize or --fp8"
+        )
+        config = files.config
     tile = vae_tile(args.vae_tile)
     decode_dtype(args.vae_dtype, device)
     image = load_image(args.image) if args.image else None  # optional for `plan`
@@ -886,7 +845,7 @@ def plan_budget(args, device) -> tuple:
     if args.vram is not None:  # another card: this host's RAM says nothing about its host
         vram, ram = int(args.vram * memplan.GIB), None
     else:
-        vram, ram = machine_memory(device)
+        vram, ram = generate.machine_memory(device)
     if args.ram is not None:
         ram = int(args.ram * memplan.GIB)
     return vram, ram
@@ -948,22 +907,25 @@ def run_plan_chunked(args, kind) -> int:
     if args.ram is not None:
         raise ValueError("--ram: the chunked models' plan predicts VRAM only")
     try:
-        config = fast_run.fast_config(
-            None, DEFAULTS.seed, args.local_attn_size, args.sink_size, args.kv_dtype, kind
+        config, swap = chunked.settings(
+            kind,
+            kind.dit.num_layers,
+            None,
+            DEFAULTS.seed,
+            args.local_attn_size,
+            args.sink_size,
+            args.kv_dtype,
+            args.swap_blocks,
+            args.frame_num,
         )
-        swap = resolve_swap_blocks(args.swap_blocks, kind.dit.num_layers)
-        asked = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
-        lat_f = fast_latent_frames(asked, kind.chunk_frames)
-        frames = fast_frame_num(asked, kind.chunk_frames)
-        local, sink, chunk = config.local_attn_size, config.sink_size, config.chunk_frames
     except ValueError as err:
         raise ValueError(f"--{err}") from None
+    asked = DEFAULTS.frame_num if args.frame_num is None else args.frame_num
+    lat_f, frames = fast_latent_frames(asked, kind.chunk_frames), fast_frame_num(asked, kind.chunk_frames)
+    local, sink, chunk = config.local_attn_size, config.sink_size, config.chunk_frames
     device = plan_device(args)
     image_hw = load_image(args.image).shape[1:] if args.image else args.size.hw
-    try:
-        lat_h, lat_w, h, w = i2v.latent_size(*image_hw, args.size)
-    except ValueError as err:
-        raise ValueError(f"--size: {err}") from None
+    lat_h, lat_w, h, w = plan_size(image_hw, args.size)
     model, shape, tile = fast_run.ChunkedModel.of_kind(kind), (lat_f, lat_h, lat_w), vae_tile(args.vae_tile)
     need = fast_run.fast_memory(model, shape, config, None, swap, tile, args.vae_dtype, ranks=ranks)
     text = 0 if args.t5_cpu else memplan.T5_DEFAULT_BYTES + memplan.T5_WORKING
@@ -1023,71 +985,27 @@ def _run_generate(args) -> int:
 def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int:
     settings, (h, w) = plan.settings, plan.size[2:]
     lead = distributed.rank() == 0  # the rank that encodes text, runs the VAE, reports and writes the MP4
-    enc_tile = dec_tile = tile
-    if tile == "auto" and plan.memory is not None and plan.memory.budget is not None:
-        enc_tile, dec_tile = plan.memory.encode_tile, plan.memory.vae_tile  # the tiles the plan checked
+    enc_tile, dec_tile = generate.run_tiles(tile, plan)
     if lead:
         print(plan.memory.table())
-    phase = hooks.in_phase
-
     # guide scale 1 throughout runs no CFG: the negative prompt is never used, so it is not encoded
     prompts = [args.prompt, args.n_prompt or settings.negative_prompt][: 2 if plan.needs_negative else 1]
-    encode = functools.partial(
-        text_encode.encode_prompts,
-        files.text_encoder,
+    stats = SpeedStats()
+    latent, vae, background = generate.denoise(
+        files,
+        plan,
+        image,
+        device,
         prompts,
-        tokenizer_path=files.tokenizer,
-        mode=args.t5_mode,
-        device="cpu" if args.t5_cpu else str(device),
+        t5_mode=args.t5_mode,
+        t5_device="cpu" if args.t5_cpu else str(device),
+        quantize=load_quantize(args),
+        lora_merge=args.lora_merge,
+        encode_tile=enc_tile,
+        hooks=hooks,
+        stats=stats,
+        progress=lambda total: tqdm(total=total, desc="denoising", unit="step", disable=not lead),
     )
-    with contextlib.ExitStack() as stack:
-        text = background = None
-        if lead and plan.memory is not None and plan.memory.text_overlap:
-            # the child encodes while this process encodes the first frame and loads the first expert
-            background = stack.enter_context(text_encode.BackgroundEncode(*encode.args, **encode.keywords))
-            context = context_null = None
-
-            def text():
-                return (*background.result(), None)[:2]
-        else:
-            with phase("text_encode"):
-                context = None
-                if lead:  # while the child encodes, this process imports what the experts' loader needs
-                    context = encode(while_waiting=stream.preload_libraries)
-                if plan.ulysses_size > 1:
-                    context = distributed.broadcast_tensors(context, device)
-                context, context_null = (*context, None)[:2]
-        with phase("camera"):
-            inputs = plan.inputs(image, context, context_null, device, text=text)
-        del context, context_null
-        with phase("load_vae"):
-            vae = load_vae(files.vae, device) if lead else None
-        switcher = ExpertSwitcher(
-            files.experts,
-            device,
-            quantize=load_quantize(args),
-            loras=plan.loras,
-            swap_blocks=plan.swap_blocks,
-            merge_loras=args.lora_merge,
-        )
-        stats = SpeedStats()
-        bar = tqdm(total=settings.sample_steps, desc="denoising", unit="step", disable=not lead)
-        hooks.progress = lambda i, n, latent: bar.update(1)
-        try:
-            # --vae_tile applies to the first-frame encode too (pipeline.sample only calls vae.encode)
-            encoder = SimpleNamespace(encode=functools.partial(vae.encode, tile=enc_tile)) if lead else None
-            latent = pipeline.sample(
-                vae=encoder,
-                experts=switcher,
-                release_experts=switcher.close,
-                hooks=hooks,
-                stats=stats,
-                **inputs,
-            )
-        finally:
-            bar.close()
-            switcher.close()
-        del inputs
     if background is not None:
         log.add_background("text_encode", background.seconds)
         print(
@@ -1095,15 +1013,17 @@ def _generate(args, device, files, tile, image, plan, output, log, hooks) -> int
         )
     if not lead:  # the others' part ends with the last step
         return 0
-    if args.save_latent:
-        save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
-    hooks.check()
-    with phase("vae_decode"):
-        frames = vae.decode(latent, tile=dec_tile, dtype=decode_dtype(args.vae_dtype, device))
-    with phase("write_mp4"):
-        video.write_mp4(
-            pipeline.frames_to_uint8(frames), output, fps=settings.sample_fps, overwrite=args.overwrite
-        )
+    generate.outputs(
+        vae,
+        latent,
+        plan,
+        dec_tile,
+        output,
+        args.overwrite,
+        hooks,
+        args.save_latent,
+        decode_dtype(args.vae_dtype, device),
+    )
     print(log.table())
     print(stats.summary())
     print(
@@ -1349,8 +1269,7 @@ def run_fast(args) -> int:
     forwards on its share of the tokens and rank 0 alone encodes the text and the first frame, decodes and
     writes (as `generate`)."""
     output = check_outputs(args, "lingbot_fast")
-    assets = args.assets_dir and args.assets_dir.expanduser().resolve()
-    files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
+    files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     check_heads(
         int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
         files.config.num_heads,
@@ -1366,27 +1285,21 @@ def _run_fast(args, files, device, ranks, output) -> int:
     if args.keys == "-" and ranks > 1:
         raise ValueError("--keys -: stdin reaches rank 0 alone; under sequence parallel give a keys file")
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
-    check_text_dim(
-        read_encoder_config(files.text_encoder)["dim"], files.config, files.text_encoder, files.model
-    )
-    check_vae(files.vae)
     tile = vae_tile(args.vae_tile)
     decode_dtype(args.vae_dtype, device)
-    config = fast_run.fast_config(
+    config, swap = chunked.settings(
+        files.kind,
+        files.config.num_layers,
         args.sample_shift,
         i2v.resolve_seed(args.seed),
         args.local_attn_size,
         args.sink_size,
         args.kv_dtype,
-        files.kind,
+        args.swap_blocks,
+        args.frame_num,
     )
-    swap = resolve_swap_blocks(args.swap_blocks, files.config.num_layers)
-    fast_latent_frames(DEFAULTS.frame_num if args.frame_num is None else args.frame_num, chunk)
     image = load_image(args.image)
-    try:
-        size = i2v.latent_size(*image.shape[1:], args.size)
-    except ValueError as err:
-        raise ValueError(f"--size: {err}") from None
+    size = plan_size(image.shape[1:], args.size)
     cam, steering, rows, frames = fast_camera(args, files, image, size, device)
     lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames, chunk), size
     if args.frame_num is not None and frames != args.frame_num and lead:
@@ -1403,21 +1316,17 @@ def _run_fast(args, files, device, ranks, output) -> int:
             f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
         )
     if device.type == "cuda":
-        vram, ram = memplan.free_memory(device)
-        issue = fast_run.fast_fit_issue(
+        chunked.check_fit(
             files,
             (lat_f, lat_h, lat_w),
             config,
             quantize,
             swap,
-            vram,
+            generate.machine_memory(device),
             tile,
-            free_ram=None if ram is None else ram + memplan.PROCESS_RAM,  # this process's share is counted
             vae_dtype=args.vae_dtype,
             ranks=ranks,
         )
-        if issue is not None:
-            raise ValueError(f"memory: {issue}")
     # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip (rank 0 alone writes)
     writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite) if lead else None
     sink = fast_run.FrameSink(args.frames_dir, args.overwrite, writer) if lead else None
@@ -1461,61 +1370,38 @@ def write_report(path: Path | None, log: monitor.PhaseLog) -> None:
 def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):
     """The chunk loop; `sink` None: a rank other than 0 of a sequence-parallel run (it receives the text and
     the condition from rank 0, runs its share of every forward and decodes nothing)."""
-    phase, lead = hooks.in_phase, sink is not None
-    ranks = parallel.world_size()
-    with phase("text_encode"):
-        context = None
-        if lead:
-            context = text_encode.encode_prompts(
-                files.text_encoder,
-                [args.prompt],
-                tokenizer_path=files.tokenizer,
-                mode=args.t5_mode,
-                device="cpu" if args.t5_cpu else str(device),
-            )
-        if ranks > 1:
-            context = distributed.broadcast_tensors(context, device)
-        (context,) = context
-    vae = y = None
-    if lead:
-        with phase("load_vae"):
-            vae = load_vae(files.vae, device)
-        with phase("vae_encode"):
-            y = fast_run.condition(image, functools.partial(vae.encode, tile=tile), frames, size, device)
-    if ranks > 1:
-        (y,) = distributed.broadcast_tensors(None if y is None else [y], device)
-    model = fast_run.FastModel(files, device, quantize=load_quantize(args), swap_blocks=swap)
-    try:
-        with phase("load_model"):
-            dit = model()
-        if ranks > 1:
-            dit.sequence_parallel = SequenceParallel()
-        lat_shape = (fast_latent_frames(frames, config.chunk_frames), *size[:2])
-        session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
-        del y
-        if steering is None:
-            cameras = fast_run.whole_path_cameras(cam, config.chunk_frames)
-        else:
-            cameras = fast_run.steered_cameras(fast_run.stdin_keys() if rows is None else rows, steering)
+    if steering is None:
+        cameras = fast_run.whole_path_cameras(cam, config.chunk_frames)
+    else:
+        cameras = fast_run.steered_cameras(fast_run.stdin_keys() if rows is None else rows, steering)
 
-        def on_chunk(chunk, frames_out, timing):
-            sink.add(frames_out)
-            print(timing.line(), flush=True)
+    def on_chunk(chunk, frames_out, timing):
+        sink.add(frames_out)
+        print(timing.line(), flush=True)
 
-        dtype = decode_dtype(args.vae_dtype, device)
-        decoding = vae.chunk_decoder(tile, dtype=dtype) if lead else contextlib.nullcontext()
-        try:
-            with phase("chunks"), decoding as decoder:
-                made = fast_run.run_chunks(session, cameras, decoder, on_chunk if lead else lambda *_: None)
-            if not made:
-                raise ValueError("--keys: no key line arrived; nothing was generated")
-            latent = session.latent()
-        finally:
-            session.close()
-    finally:
-        model.close()
-    if args.save_latent and lead:
-        save_comfy_latent(vae.to_comfy_latent(latent), args.save_latent, args.overwrite)
+    latent, made = chunked.run_files(
+        files,
+        args.prompt,
+        image,
+        size,
+        frames,
+        config,
+        cameras,
+        device,
+        hooks,
+        on_chunk,
+        t5_mode=args.t5_mode,
+        t5_device="cpu" if args.t5_cpu else str(device),
+        quantize=load_quantize(args),
+        swap=swap,
+        tile=tile,
+        save_latent=args.save_latent,
+        overwrite=args.overwrite,
+        decode_dtype=decode_dtype(args.vae_dtype, device),
+        ranks=parallel.world_size(),
+    )
+    if not made:
+        raise ValueError("--keys: no key line arrived; nothing was generated")
     return latent
 
 
@@ -1576,12 +1462,7 @@ def run_play(args) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     device = resolve_device(args.device)
-    assets = args.assets_dir and args.assets_dir.expanduser().resolve()
-    files = resolve_fast_dir(args.ckpt_dir.expanduser().resolve(), args.model, assets)
-    check_text_dim(
-        read_encoder_config(files.text_encoder)["dim"], files.config, files.text_encoder, files.model
-    )
-    check_vae(files.vae)
+    files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     image = load_image(args.image)
     session = play.PlaySession(
         files,
@@ -1592,7 +1473,7 @@ def run_play(args) -> int:
         sink_size=args.sink_size,
         kv_dtype=args.kv_dtype,
         quantize=args.quantize or None,
-        swap=resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
+        swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),
         area=args.size,
         mode=args.mode,
@@ -1734,7 +1615,7 @@ def main(argv=None) -> int:
         if args.command == "plan":
             return run_plan(args)
         if args.command == "doctor":
-            from .loaders import doctor
+            from .session import doctor
 
             return doctor.main(args.ckpt_dir, args.device, args.assets_dir)
         return run_generate(args)

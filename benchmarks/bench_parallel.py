@@ -33,7 +33,8 @@ from bench_speed import Step, rel_error, sync  # noqa: E402
 from lingbot import load_pack  # noqa: E402
 
 load_pack()
-from lingbot_world.loaders import distributed, stream, synthetic  # noqa: E402
+from lingbot_world.loaders import stream, synthetic  # noqa: E402
+from lingbot_world.session import distributed  # noqa: E402
 from lingbot_world.wan import pipeline  # noqa: E402
 from lingbot_world.wan.config import A14B, SampleConfig  # noqa: E402
 from lingbot_world.wan.parallel import SequenceParallel  # noqa: E402

@@ -31,7 +31,8 @@ sys.path.insert(0, str(HERE.parent))
 from lingbot import load_pack  # noqa: E402
 
 load_pack()
-from lingbot_world.loaders import distributed, stream, synthetic  # noqa: E402
+from lingbot_world.loaders import stream, synthetic  # noqa: E402
+from lingbot_world.session import distributed  # noqa: E402
 from lingbot_world.wan.config import CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel, init_random_  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402

@@ -54,9 +54,10 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world import cli  # noqa: E402
-from lingbot_world.loaders import checkpoints, demo_assets, fast_run, synthetic, video  # noqa: E402
+from lingbot_world.loaders import checkpoints, demo_assets, synthetic, video  # noqa: E402
 from lingbot_world.loaders import fast_checkpoint as FC  # noqa: E402
 from lingbot_world.loaders.formats import NF4_META  # noqa: E402
+from lingbot_world.session import fast_run  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS  # noqa: E402
 from lingbot_world.wan.vae import WAN21_VAE_CONFIG, WanVAE, init_random_  # noqa: E402
 

@@ -5,7 +5,7 @@ one with --scale tiny) is loaded with the streaming loader, a random VAE of the 
 sits on the device beside it as in a real run, and for each case of the grid ONE denoising step
 (bench_speed's Step through `wan.pipeline.denoise`: CFG, camera) runs with `swap_blocks` of its blocks
 streamed from pinned RAM, measuring torch.cuda.max_memory_allocated and the reserved peak. The planner's
-prediction for the same request (`loaders.planner.Planner`, the expert's stored bytes, text encoder on the
+prediction for the same request (`session.planner.Planner`, the expert's stored bytes, text encoder on the
 CPU, untiled VAE) is printed beside it with the relative error (predicted - measured) / measured.
 A few VAE cases measure the untiled first-frame encode and the decode the same way (the expert, which a
 real run does not hold then, subtracted).
@@ -15,7 +15,7 @@ keeps what it measured. The last case, 720p x 161 frames fully swapped, says whe
 fits a 24 GiB card.
 
 --lean adds the lean-activation cases (`wan.dit.WanAttentionBlock.forward_lean`, planned with
-`loaders.planner.lean_activation_vram`): 480p x 81 all resident, 720p x 81 and 720p x 161 fully swapped,
+`session.planner.lean_activation_vram`): 480p x 81 all resident, 720p x 81 and 720p x 161 fully swapped,
 and says whether the last two fit 12 GiB and 24 GiB cards. With --cases, any case of either grid:
 
     python benchmarks/bench_planner.py --scale full --lean --skip-vae --cases 480p_81 480p_81_lean \
@@ -45,8 +45,8 @@ from lingbot import load_pack  # noqa: E402
 load_pack()
 from bench_speed import Step, load_random_expert  # noqa: E402
 from lingbot_world.loaders import monitor  # noqa: E402
-from lingbot_world.loaders import planner as memplan  # noqa: E402
 from lingbot_world.loaders.formats import detect_expert_format  # noqa: E402
+from lingbot_world.session import planner as memplan  # noqa: E402
 from lingbot_world.wan import i2v  # noqa: E402
 from lingbot_world.wan import vae as V  # noqa: E402
 from lingbot_world.wan.block_swap import BlockSwapper  # noqa: E402

@@ -6,7 +6,7 @@ cross-attention K/V caches) and its Wan2.1 VAE decode, imported from the source 
 --upstream-v2 (a folder holding v2's `wan/` package:
 `git --git-dir=<mirror of robbyant/lingbot-world-v2> archive 2648877 -- generate.py wan | tar -x -C DIR`)
 through the golden script's loader (its package __init__ files bypassed, missing imports stood in).
-Ours: `wan.fast.FastSession` through the pack's chunk loop `loaders.fast_run.run_chunks`, each chunk
+Ours: `wan.fast.FastSession` through the pack's chunk loop `session.fast_run.run_chunks`, each chunk
 decoded as it is made by `WanVAE.chunk_decoder()` (as `lingbot.py fast` runs it).
 
 Both run the --model kind's schedule (v2-1.3b: shift 5; v2-14b: shift 10; steps 0/250/500/750), window 18 /
@@ -57,9 +57,9 @@ sys.path.insert(0, str(HERE.parent / "tests" / "golden"))
 import make_golden as golden  # noqa: E402
 from bench_fast import peak, peak_reset  # noqa: E402
 from bench_speed import rel_error, sync  # noqa: E402
-from lingbot_world.loaders import fast_run  # noqa: E402
 from lingbot_world.loaders.formats import meta_model  # noqa: E402
 from lingbot_world.loaders.synthetic import tiny_config  # noqa: E402
+from lingbot_world.session import fast_run  # noqa: E402
 from lingbot_world.wan import attention  # noqa: E402
 from lingbot_world.wan import vae as V  # noqa: E402
 from lingbot_world.wan.config import CHUNKED_KINDS  # noqa: E402

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..wan.config import DiTConfig
-from .formats import find_experts
-from .request import expert_pair_config
+from .formats import detect_expert_format, find_experts
 from .tensor_file import check_dir, exists, path_problem
 from .text_encoder import resolve_tokenizer
 
@@ -90,3 +89,16 @@ def resolve_checkpoint_dir(ckpt_dir) -> CheckpointFiles:
         )
     config, sources = expert_pair_config(experts)
     return CheckpointFiles(experts, text_encoder, tokenizer, vae, config, sources)
+
+
+def expert_pair_config(paths: dict) -> tuple[DiTConfig, dict]:
+    """(shared DiTConfig, {'high'|'low': ExpertSource}) from the two experts' headers; they must agree."""
+    sources = {k: detect_expert_format(paths[k]) for k in ("high", "low")}
+    high, low = sources["high"].dit_config, sources["low"].dit_config
+    if high != low:
+        diff = {f: (getattr(high, f), getattr(low, f)) for f in high.__dataclass_fields__}
+        raise ValueError(
+            f"the experts do not match ({paths['high']} vs {paths['low']}): "
+            + ", ".join(f"{f} high={a!r} low={b!r}" for f, (a, b) in diff.items() if a != b)
+        )
+    return high, sources

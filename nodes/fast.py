@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import folder_paths
+import torch
 
-from ..loaders import fast_run
 from ..loaders.fast_checkpoint import KINDS, MODEL_CHOICES, detect_kind, fast_model_dir
 from ..loaders.formats import DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, ExpertSource, detect_expert_format
-from ..loaders.request import RequestError, check_text_dim
+from ..session import chunked, fast_run
+from ..session import planner as memplan
+from ..session.request import RequestError, check_text_dim, plan_size
 from ..wan import attention, i2v
 from ..wan.config import CHUNKED_KINDS, ChunkedKind
-from ..wan.fast import FastSession, fast_frame_num, fast_latent_frames, kv_cache_bytes_for
+from ..wan.fast import fast_frame_num, fast_latent_frames
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
@@ -28,6 +30,10 @@ NO_MODEL = "(none found: set ckpt_dir)"
 SHARD = re.compile(r"(diffusion_pytorch_model|model)-\d+-of-\d+\.safetensors")
 # Sampler settings that mean "the model kind's documented run" (shift, local_attn_size, sink_size).
 KIND_SHIFT, KIND_WINDOW, KIND_SINK = 0.0, -2, -1
+# The planner's CLI flags -> this pack's widgets (the others have the same names: local_attn_size, sink_size,
+# kv_dtype, swap_blocks).
+WIDGETS = {"size": "max_area (or width/height)"}
+SIZE_WIDGETS = {"size": "width/height"}  # plan_size's RequestError parameters -> the widgets
 log = logging.getLogger("LingBot-World")
 
 
@@ -52,8 +58,22 @@ class FastHandle(ExpertsHandle):
     kind: ChunkedKind = field(default_factory=lambda: CHUNKED_KINDS["fast"])
 
     def model(self, device, working_bytes: int, fp8: bool = False):
-        """The loaded model on `device` (ComfyUI asked for room first); `fp8`: with fp8 linears."""
+        """The loaded model on `device` (ComfyUI asked for its resident bytes + `working_bytes` first); `fp8`:
+        with fp8 linears."""
         return self.provider(device, working_bytes, {}, fp8)("high")
+
+    def planned(self) -> fast_run.ChunkedModel:
+        """What the planner's `fast_memory` needs of the model: its architecture and bytes on the device."""
+        return fast_run.ChunkedModel(self.config, self.nbytes["high"])
+
+
+def fit_issue(model: FastHandle, lat_shape: tuple, config, free_vram: int | None) -> str | None:
+    """The planner's fit check (`chunked.fit_issue`) against `free_vram`, in the node's words, for what this
+    node runs: the chunks' forwards, not their decode (the VAE Decode node's, which tiles to fit: 'auto')."""
+    free = (free_vram, None)
+    return chunked.fit_issue(
+        model.planned(), lat_shape, config, None, model.swap_blocks, free, "auto", False, WIDGETS
+    )
 
 
 class LingBotFastLoader:
@@ -278,13 +298,12 @@ class LingBotFastSampler:
         try:
             if isinstance(max_area, str):
                 i2v.parse_max_area(max_area)
-            if length is not None:
-                fast_latent_frames(length)
-            if local_attn_size not in (None, KIND_WINDOW) and sink_size not in (None, KIND_SINK):
-                fast_run.fast_config(10.0, 42, local_attn_size, sink_size, "bf16")  # v1's chunk: the smallest
         except ValueError as e:
             return str(e)
-        return True
+        if local_attn_size in (None, KIND_WINDOW) or sink_size in (None, KIND_SINK):
+            local_attn_size = sink_size = None  # the model's documented run, or not known yet
+        # the model is not known here (a link): a setting some model kind takes waits for the run's check
+        return chunked.settings_issue(length, local_attn_size, sink_size) or True
 
     def sample(
         self,
@@ -322,23 +341,28 @@ class LingBotFastSampler:
         context = text.context if text is not None else conditioning_to_context(positive, "positive")
         vae = sampler_vae(vae)
         img = image_to_input(image)
-        config = fast_run.fast_config(
+        config, _ = chunked.settings(
+            model.kind,
+            model.config.num_layers,
             None if shift == KIND_SHIFT else shift,
             seed,
             None if local_attn_size == KIND_WINDOW else local_attn_size,
             None if sink_size == KIND_SINK else sink_size,
             kv_dtype,
-            model.kind,
+            model.swap_blocks,
+            length,
         )
         chunk = config.chunk_frames
+        sizing = (
+            {"max_area": i2v.parse_max_area(max_area)}
+            if sizing == "max_area"
+            else {"width": width, "height": height}
+        )
         try:
             check_text_dim(context.shape[-1], model.config)
+            size = plan_size(img.shape[1:], **sizing)
         except RequestError as e:
-            raise ValueError(f"text: {e.detail}") from None
-        if sizing == "max_area":
-            size = i2v.latent_size(*img.shape[1:], i2v.parse_max_area(max_area))
-        else:
-            size = i2v.explicit_size(width, height)
+            raise ValueError(f"{SIZE_WIDGETS.get(e.param, e.param)}: {e.detail}") from None
         device = memory.torch_device()
         cam = None
         if camera is not None:
@@ -348,31 +372,46 @@ class LingBotFastSampler:
         else:
             frames = fast_frame_num(length, chunk)
         lat_f = fast_latent_frames(frames, chunk)
-        chunks = lat_f // chunk
+        chunks, lat_shape = lat_f // chunk, (lat_f, *size[:2])
+        # what this node runs: the encode, then the chunks' forwards (the VAE Decode node decodes them)
+        need = fast_run.fast_memory(
+            model.planned(), lat_shape, config, None, model.swap_blocks, "auto", decode=False
+        )
+        if device.type == "cuda":  # ComfyUI unloads its models first: the check sees what the run can have
+            memory.make_room(need.peak, device)
+            issue = fit_issue(model, lat_shape, config, memplan.free_memory(device)[0])
+            if issue is not None:
+                raise ValueError(f"memory: {issue}")
         hooks, phases = memory.sampling_hooks(chunks)
-        with hooks.in_phase("vae_encode"):
-            y = fast_run.condition(img, vae.encode, frames, size, device)
-        kv = kv_cache_bytes_for(model.config, (lat_f, *size[:2]), config)
-        session = None
+        timings, error = [], None
         try:
-            with hooks.in_phase("load_model"):
-                dit = model.model(device, kv + y.numel() * 4 * 4, speed.fp8)
-            session = FastSession(dit, context.to(device), y, (lat_f, *size[:2]), config, device, hooks)
-            del y
-            timings = []
-            with hooks.in_phase("chunks"), attention.use(speed.attention):
-                fast_run.run_chunks(
-                    session, fast_run.whole_path_cameras(cam, chunk), None, lambda c, v, t: timings.append(t)
+            with attention.use(speed.attention):
+                latent, _ = chunked.run(
+                    # ComfyUI is asked for need.loop in all
+                    lambda: model.model(device, need.loop - need.model, speed.fp8),
+                    vae.encode,
+                    img,
+                    context,
+                    size,
+                    frames,
+                    config,
+                    fast_run.whole_path_cameras(cam, chunk),
+                    device,
+                    hooks,
+                    lambda c, v, t: timings.append(t),
                 )
-            latent = session.latent()
+        except torch.OutOfMemoryError:
+            model.close()
+            error = memplan.oom_error(hooks.current, None)
         except BaseException as e:
             model.close()  # errors and interrupts also drop what keep_in_ram_gb kept
             log.info("LingBot-World-Fast sampling stopped (%s); model released", type(e).__name__)
             raise
         finally:
-            if session is not None:
-                session.close()
             memory.after_release()
+        if error is not None:  # raised outside the handler, so the failed step's tensors are freed first
+            memory.after_release()
+            raise RuntimeError(f"LingBot-World-Fast: {error.detail}")
         model.release()
         log.info(
             "%s, %d frames at %dx%d in %d chunks:\n%s\n%s",

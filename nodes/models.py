@@ -6,8 +6,8 @@ from pathlib import Path
 
 import folder_paths
 
+from ..loaders.checkpoints import expert_pair_config
 from ..loaders.experts import ExpertSwitcher
-from ..loaders.fast_run import device_bytes
 from ..loaders.formats import (
     CONFIG,
     DIFFUSERS_SINGLE,
@@ -19,8 +19,9 @@ from ..loaders.formats import (
 )
 from ..loaders.lora import EXPERTS as LORA_EXPERTS
 from ..loaders.lora import MAX_STRENGTH, LoraSpec
-from ..loaders.planner import expert_vram
-from ..loaders.request import RequestError, check_lora_merge, expert_pair_config
+from ..session.fast_run import device_bytes
+from ..session.planner import expert_vram
+from ..session.request import RequestError, check_lora_merge
 from ..wan.config import DiTConfig
 from . import memory
 

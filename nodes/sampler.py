@@ -4,8 +4,9 @@ import logging
 
 import torch
 
-from ..loaders import planner as memplan
-from ..loaders.request import RequestError, plan_request
+from ..session import planner as memplan
+from ..session.generate import memory_check
+from ..session.request import RequestError, plan_request
 from ..wan import i2v, pipeline
 from ..wan.config import SampleConfig
 from ..wan.schedulers import SCHEDULERS
@@ -278,17 +279,15 @@ class LingBotSampler:
         fp8 = speed is not None and speed.fp8
         if fp8:
             check_fp8_input(device)
-        check = memplan.MemoryCheck(
-            memplan.MemoryRequest(
-                dict(experts.nbytes),
-                memplan.lora_bytes(experts.loras),
-                swap_blocks=getattr(experts, "swap_blocks", 0),
-                t5_device="cpu",
-                t5_bytes=0,
-            ),
+        check = memory_check(
+            experts.nbytes,
+            experts.loras,
             device.type,
-            memory.device_budget(device),
-            names=PLAN_NAMES,
+            (memory.device_budget(device), None),
+            PLAN_NAMES,
+            swap_blocks=getattr(experts, "swap_blocks", 0),
+            t5_device="cpu",
+            t5_bytes=0,
         )
         try:
             plan = plan_request(

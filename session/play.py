@@ -30,15 +30,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..loaders import fast_run, text_encode
-from ..loaders.planner import GIB, PROCESS_RAM, free_memory
+from ..loaders import text_encode
 from ..loaders.vae import load_vae
 from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG
 from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
 from ..wan.pipeline import frames_to_uint8
+from . import fast_run
 from .controls import ChunkCamera, Controls
+from .planner import GIB, PROCESS_RAM, free_memory
 
 PLAY_WINDOW = (18, 6)  # (window, sink) for a model documented with an unbounded cache (v1 Fast)
 CONDITION_FRAMES = 32  # latent frames of the i2v condition encoded exactly (125 video frames)

@@ -38,14 +38,15 @@ def fake_comfy(monkeypatch):
 def nothing_loads(monkeypatch):
     """Any text-encoder, VAE, expert or chunked-model load fails the test: a bad request's error must come
     first (files that also guard other loads define their own `nothing_loads`)."""
-    from lingbot_world.loaders import fast_run
+    from lingbot_world.session import chunked, fast_run, generate
 
     def loaded(*a, **k):
         raise AssertionError("a model was loaded before the request was checked")
 
     monkeypatch.setattr(cli.text_encode, "encode_prompts", loaded)
-    monkeypatch.setattr(cli, "load_vae", loaded)
-    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
+    monkeypatch.setattr(chunked, "load_vae", loaded)
+    monkeypatch.setattr(generate, "load_vae", loaded)
+    monkeypatch.setattr(generate, "ExpertSwitcher", loaded)
     monkeypatch.setattr(fast_run.ExpertSwitcher, "__call__", loaded)
 
 

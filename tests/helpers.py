@@ -161,6 +161,8 @@ def link_copy(src: Path, dst: Path) -> Path:
 
 
 def args_for(ckpt, action_path, out, *extra):
+    """`generate` on the tiny checkpoint `ckpt` (9 frames at 64*112, 2 steps, CPU); `action_path` None: no
+    camera."""
     return [
         "generate",
         "--ckpt_dir",
@@ -169,8 +171,7 @@ def args_for(ckpt, action_path, out, *extra):
         str(ROOT / "examples" / "00" / "image.jpg"),
         "--prompt",
         "a castle",
-        "--action_path",
-        str(action_path),
+        *(() if action_path is None else ("--action_path", str(action_path))),
         "--size",
         "64*112",
         "--frame_num",

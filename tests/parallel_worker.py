@@ -14,7 +14,8 @@ load_pack()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from lingbot_world.loaders import distributed, synthetic  # noqa: E402
+from lingbot_world.loaders import synthetic  # noqa: E402
+from lingbot_world.session import distributed  # noqa: E402
 from lingbot_world.wan.dit import WanModel, init_random_  # noqa: E402
 from lingbot_world.wan.parallel import SequenceParallel  # noqa: E402
 
@@ -50,7 +51,7 @@ def forward(model):
 
 
 def peers_done():
-    """Ranks that finished wait for each other before gloo is torn down, as loaders.distributed does: a rank
+    """Ranks that finished wait for each other before gloo is torn down, as session.distributed does: a rank
     that closes its connections while its peer's last work is in flight can abort that peer at exit
     ("terminate called without an active exception", seen in CI)."""
     with contextlib.suppress(RuntimeError):
@@ -199,7 +200,7 @@ def cached_rank(rank, world, port, out_dir, nf4_dir):
 
 
 def group_rank(rank, world, port, out_dir, fail_rank=None):
-    """Inside `loaders.distributed.process_group` as torchrun would start it: one all-reduce, then rank
+    """Inside `session.distributed.process_group` as torchrun would start it: one all-reduce, then rank
     `fail_rank` raises on its way out while the others finish. Each rank records how it left."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -22,12 +22,12 @@ import pytest
 import torch
 from helpers import _gone, args_for, expect_clear_error, fast_args
 from lingbot_world import cli
-from lingbot_world.loaders import fast_run
-from lingbot_world.loaders import planner as memplan
 from lingbot_world.loaders import text_encode as tx
 from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
 from lingbot_world.loaders.video import Mp4Writer, read_mp4_info, write_mp4
+from lingbot_world.session import fast_run
+from lingbot_world.session import planner as memplan
 from lingbot_world.wan.config import A14B
 from lingbot_world.wan.fast import MAX_FRAME_NUM, FastConfig, fast_frame_num, fast_latent_frames
 from lingbot_world.wan.pipeline import frames_to_uint8

@@ -134,8 +134,8 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
     folder with its recorded kind; assets apart): the whole chunked run with the planner's own prediction
     beside what was measured, the chunks' times and rates. The 14B run also passes --extra through and
     hides PyAV, as on the GPU box: everything runs but the MP4 encode."""
-    from lingbot_world.loaders import fast_run
     from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+    from lingbot_world.session import fast_run
     from lingbot_world.wan.config import CHUNKED_KINDS
 
     extra, env, kv, decoder = ["--command", "fast", "--model", model], {}, "bf16", "fp32"
@@ -198,8 +198,8 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
 def test_bench_pipeline_fast_probe_fit_check(tmp_path, monkeypatch):
     """What only the GPU run exercises, on the CPU: the probe records the CLI's fit check, and with
     --skip-fit-check lets a run the planner refuses go on; the real functions are back afterwards."""
-    from lingbot_world.loaders import fast_run
     from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+    from lingbot_world.session import fast_run
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_pipeline

@@ -11,18 +11,19 @@ import pytest
 import torch
 from helpers import fast_args, node_inputs
 from lingbot_world import cli
-from lingbot_world.loaders import fast_run
 from lingbot_world.loaders.camera_files import CameraInput
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR, resolve_fast_dir
 from lingbot_world.loaders.stream import load_expert
 from lingbot_world.loaders.text_encode import encode_prompts
 from lingbot_world.loaders.vae import load_vae
 from lingbot_world.loaders.video import read_mp4_info
+from lingbot_world.session import fast_run
 from lingbot_world.session.controls import KeySteering, keys_camera
 from lingbot_world.wan import i2v
 from lingbot_world.wan.actions import actions_to_poses
 from lingbot_world.wan.camera import camera_conditioning, relative_poses
 from lingbot_world.wan.camera_presets import preset_intrinsics
+from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.fast import FastConfig, generate_fast
 from lingbot_world.wan.fast_camera import KEY_STEP, parse_keys_line, pose_camera
 from lingbot_world.wan.vae import to_comfy_latent
@@ -241,6 +242,9 @@ def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, fake_co
     assert {"LingBotFastLoader", "LingBotFastSampler"} <= nodes.NODE_CLASS_MAPPINGS.keys()
     assert nodes.LingBotFastSampler.VALIDATE_INPUTS("64*112", 5).startswith("frame_num: Fast needs")
     assert "must leave room" in nodes.LingBotFastSampler.VALIDATE_INPUTS(local_attn_size=4, sink_size=3)
+    # the model is not known when the prompt is queued: what one kind takes waits for the run's check
+    assert nodes.LingBotFastSampler.VALIDATE_INPUTS(length=4101) is True  # v2's chunk of 4, not v1's 3
+    assert nodes.LingBotFastSampler.VALIDATE_INPUTS(local_attn_size=5, sink_size=2) is True  # v1's, not v2's
     (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
     text, vae, camera, image = node_inputs(nodes, shipped_example)
     (out,) = nodes.LingBotFastSampler().sample(
@@ -353,3 +357,108 @@ def test_vae_decode_node_fast_decoder(fast_ckpt, tmp_path, fake_comfy):
     assert (fast - exact).abs().max() < 0.01
     with pytest.raises(ValueError, match="vae_dtype: expected one of fp32, bf16, fp16, got 'fp8'"):
         decode(vae_dtype="fp8")
+
+
+def test_fast_node_asks_comfyui_for_the_planners_figure(fast_ckpt, shipped_example, tmp_path, fake_comfy):
+    """The Fast sampler node asks ComfyUI's free_memory for what the planner predicts the run allocates on
+    the device (the CLI's `fast_memory`: the resident model, the caches, a chunk's work, the condition), so
+    a window or fp8 K/V asks for less by exactly the caches they save."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    calls = nodes.memory.mm.free_memory_calls
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    files = resolve_fast_dir(fast_ckpt)
+    asked, caches = {}, {}
+    for window, kv in ((-1, "bf16"), (3, "fp8")):
+        calls.clear()
+        nodes.LingBotFastSampler().sample(
+            model,
+            vae,
+            image,
+            "max_area",
+            "64*112",
+            832,
+            480,
+            21,
+            5,
+            10.0,
+            window,
+            0,
+            kv,
+            camera=camera,
+            text=text,
+        )
+        config = fast_run.fast_config(10.0, 5, window, 0, kv)
+        need = fast_run.fast_memory(files, (6, *SIZE[:2]), config, None, 0, "auto", decode=False)
+        assert calls == [(need.model + need.caches + need.work + need.condition, torch.device("cpu"))], window
+        asked[window], caches[window] = calls[0][0], need.caches
+        # the node decodes nothing (the VAE Decode node does): a chunk's decode is not asked for
+        cli = fast_run.fast_memory(files, (6, *SIZE[:2]), config, None, 0, "auto")
+        assert (
+            need.work == need.work_forward < cli.work_decode == cli.work
+            and asked[window] < cli.loop - cli.model
+        )
+    assert asked[-1] - asked[3] == caches[-1] - caches[3] > 0
+
+
+def test_fast_node_turns_cuda_oom_into_a_clear_error(
+    fast_ckpt, shipped_example, tmp_path, fake_comfy, monkeypatch
+):
+    """A CUDA out-of-memory during the chunks: the node's error names the phase as the CLI's does, and the
+    model is released (not kept for the next run)."""
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    loaded = []
+
+    def run_chunks(session, *args):
+        loaded.append(model._switcher.resident)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(fast_run, "run_chunks", run_chunks)
+    with pytest.raises(RuntimeError) as err:
+        nodes.LingBotFastSampler().sample(
+            model,
+            vae,
+            image,
+            "max_area",
+            "64*112",
+            832,
+            480,
+            21,
+            5,
+            10.0,
+            3,
+            0,
+            "bf16",
+            camera=camera,
+            text=text,
+        )
+    assert not isinstance(err.value, torch.OutOfMemoryError)
+    assert str(err.value) == "LingBot-World-Fast: CUDA ran out of memory during chunks; models released"
+    assert loaded == ["high"] and model._switcher is None
+
+
+def test_fast_node_fit_check_names_the_widgets_that_fit(fast_ckpt, tmp_path, fake_comfy):
+    """The node's fit check (run on CUDA with the free VRAM after ComfyUI made room) is the planner's for what
+    the node runs (the chunks' forwards; the VAE Decode node decodes): None when the predicted peak fits, else
+    its message with the settings that fit, as the node's widgets. Sized as the real v1 Fast model in NF4."""
+    from dataclasses import replace
+
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    real = fast_run.ChunkedModel.of_kind(CHUNKED_KINDS["fast"])
+    model = replace(model, config=real.config, nbytes={"high": real.nbytes, "low": real.nbytes})
+    shape, config = (30, 58, 104), fast_run.fast_config(10.0, 5, -1, 0, "bf16")
+    peak = fast_run.fast_memory(real, shape, config, None, 0, "auto", decode=False).peak
+    with_decode = fast_run.fast_memory(real, shape, config, None, 0, "auto")
+    assert peak < with_decode.peak  # at 464x832 a chunk's decode (which the node does not run) is the larger
+    assert nodes.fast.fit_issue(model, shape, config, with_decode.peak - 1) is None  # no refusal for it
+    assert nodes.fast.fit_issue(model, shape, config, peak) is None
+    assert nodes.fast.fit_issue(model, shape, config, None) is None  # CPU: nothing to check
+    message = nodes.fast.fit_issue(model, shape, config, peak - 1)
+    assert message.startswith(f"predicted peak {peak / (1 << 30):.1f} GiB") and "--" not in message
+    assert "would fit with local_attn_size" in message and " or kv_dtype fp8" in message
+    assert nodes.fast.fit_issue(model, shape, config, 1).endswith(
+        "fewer frames or a smaller max_area (or width/height)"
+    )

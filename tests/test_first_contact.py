@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from lingbot_world import cli
-from lingbot_world.loaders import doctor, fast_run
-from lingbot_world.loaders import planner as mp
 from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
 from lingbot_world.loaders.formats import expected_layout
+from lingbot_world.session import doctor, fast_run
+from lingbot_world.session import planner as mp
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, SampleConfig
 from lingbot_world.wan.fast import FastConfig, kv_cache_bytes_for
 

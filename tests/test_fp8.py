@@ -7,10 +7,11 @@ import pytest
 import torch
 from helpers import args_for, expect_clear_error, fast_args, node_inputs
 from lingbot_world import cli
-from lingbot_world.loaders import fast_run, stream, synthetic
 from lingbot_world.loaders import quantize as quantize_mod
+from lingbot_world.loaders import stream, synthetic
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR
 from lingbot_world.loaders.formats import NF4_META, NF4_WEIGHTS, CheckpointError, detect_expert_format
+from lingbot_world.session import fast_run
 from lingbot_world.wan import fp8
 from lingbot_world.wan.config import CONTROL_CHANNELS
 from lingbot_world.wan.dit import linear

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from einops import rearrange
 from lingbot_world import cli
-from lingbot_world.loaders import planner as memplan
 from lingbot_world.loaders.synthetic import tiny_config
+from lingbot_world.session import planner as memplan
 from lingbot_world.wan import dit, i2v, pipeline
 from lingbot_world.wan.config import A14B, DiTConfig, SampleConfig
 from lingbot_world.wan.dit import WanModel, init_random_, rope_apply, rope_freqs
@@ -345,7 +345,7 @@ def test_auto_keeps_headroom_below_the_budget():
 
 
 def test_plan_request_resolves_auto_onto_the_plans_speed():
-    from lingbot_world.loaders.request import plan_request
+    from lingbot_world.session.request import plan_request
 
     request = memplan.MemoryRequest({"high": 9_740_000_000, "low": 9_740_000_000}, t5_device="cpu")
     args = ((480, 832), A14B, SampleConfig())

@@ -84,7 +84,7 @@ def test_torchrun_cli_two_ranks_equals_one_process(nf4_ckpt, shipped_example, tm
 
 def test_ulysses_size_is_checked_before_anything_loads():
     from lingbot_world.loaders import synthetic
-    from lingbot_world.loaders.request import RequestError, plan_request
+    from lingbot_world.session.request import RequestError, plan_request
     from lingbot_world.wan.config import SampleConfig
 
     cfg = synthetic.tiny_config("cam")  # 4 heads
@@ -217,7 +217,7 @@ def test_step_cache_with_swap_and_lora_on_two_ranks_stays_in_lockstep(nf4_dir, t
 
 def test_settings_under_sequence_parallel_are_accepted_or_refused_by_name():
     from lingbot_world.loaders import synthetic
-    from lingbot_world.loaders.request import RequestError, plan_request
+    from lingbot_world.session.request import RequestError, plan_request
     from lingbot_world.wan.config import SampleConfig
     from lingbot_world.wan.speed import SpeedOptions
 

@@ -13,8 +13,9 @@ import lingbot  # noqa: E402
 
 pack = lingbot.load_pack()
 from lingbot_world import cli  # noqa: E402
-from lingbot_world.loaders import demo_assets, doctor  # noqa: E402
-from lingbot_world.loaders import planner as mp  # noqa: E402
+from lingbot_world.loaders import demo_assets  # noqa: E402
+from lingbot_world.session import doctor  # noqa: E402
+from lingbot_world.session import planner as mp  # noqa: E402
 from lingbot_world.wan import i2v  # noqa: E402
 from lingbot_world.wan.config import A14B  # noqa: E402
 
@@ -178,6 +179,7 @@ def test_generate_refuses_when_plan_does_not_fit(demo_ckpt, tmp_path, monkeypatc
 
 
 def test_oom_becomes_clear_message(demo_ckpt, tmp_path, monkeypatch, capsys):
+    from lingbot_world.loaders.experts import ExpertSwitcher
     from lingbot_world.wan import pipeline
 
     def oom(**kw):
@@ -185,8 +187,8 @@ def test_oom_becomes_clear_message(demo_ckpt, tmp_path, monkeypatch, capsys):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     closed = []
-    real_close = cli.ExpertSwitcher.close
-    monkeypatch.setattr(cli.ExpertSwitcher, "close", lambda self: (closed.append(1), real_close(self))[1])
+    real_close = ExpertSwitcher.close
+    monkeypatch.setattr(ExpertSwitcher, "close", lambda self: (closed.append(1), real_close(self))[1])
     monkeypatch.setattr(pipeline, "sample", oom)
     monkeypatch.setattr(mp, "free_memory", lambda device: (8 * GIB, None))
     rc = cli.main(["generate", *generate_argv(demo_ckpt, "--output", str(tmp_path / "o.mp4"))])
@@ -275,7 +277,7 @@ def test_doctor_missing_libraries_and_broken_ckpt(monkeypatch, demo_ckpt, tmp_pa
 
 def test_plan_request_resolves_auto_swap_to_the_least_that_fits():
     """`swap_blocks auto` with a memory check: the Plan carries the planner's choice, which fits."""
-    from lingbot_world.loaders.request import plan_request
+    from lingbot_world.session.request import plan_request
     from lingbot_world.wan.config import SampleConfig
     from lingbot_world.wan.speed import SpeedOptions
 
@@ -431,7 +433,7 @@ def test_ulysses_plan_with_block_swap_counts_every_ranks_pinned_blocks():
 
 
 def test_plan_request_checks_per_rank_memory():
-    from lingbot_world.loaders.request import plan_request
+    from lingbot_world.session.request import plan_request
     from lingbot_world.wan.config import SampleConfig
 
     request = mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu", vae_tile="auto")
@@ -497,8 +499,8 @@ def test_chunked_tiled_decode_counts_every_tile_cache():
 def test_chunked_host_ram_counts_block_swap():
     """With --swap_blocks the chunked model is assembled in host RAM beside its swapped blocks' pinned copies,
     as the generate planner counts (planner.swap_host_ram); without swap neither is there."""
-    from lingbot_world.loaders import fast_run
-    from lingbot_world.loaders.planner import swap_host_ram
+    from lingbot_world.session import fast_run
+    from lingbot_world.session.planner import swap_host_ram
     from lingbot_world.wan.config import CHUNKED_KINDS
     from lingbot_world.wan.fast import FastConfig
 
@@ -553,7 +555,7 @@ def test_v2_1_3b_fits_8_gib_with_the_fast_decoder():
     """The 1.3B whole chunked run at 464x832, window 18 / sink 6, NF4, fp8 K/V (issue 19): the exact decode
     peaks at 9.75 GiB (measured 9.87 on an H200) and is refused under an 8 GiB cap naming --vae_dtype; with
     it the chunk loop's figure drops by half the decode's per-pixel cost and fits."""
-    from lingbot_world.loaders import fast_run
+    from lingbot_world.session import fast_run
     from lingbot_world.wan.config import CHUNKED_KINDS
 
     kind = CHUNKED_KINDS["v2-1.3b"]

@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import node_inputs, tiny_lora
 from lingbot_world import cli
-from lingbot_world.loaders import checkpoints, request
+from lingbot_world.loaders import checkpoints
 from lingbot_world.loaders.camera_files import CameraInput
 from lingbot_world.loaders.experts import ExpertSwitcher
 from lingbot_world.loaders.lora import LoraSpec
+from lingbot_world.session import generate, request
 from lingbot_world.wan.config import DiTConfig, SampleConfig
 from lingbot_world.wan.lora import LoraError, attached_loras
 from safetensors.torch import load_file
@@ -182,8 +183,8 @@ def nothing_loads(monkeypatch):
 
     for name in ("encode_prompts",):
         monkeypatch.setattr(cli.text_encode, name, loaded)
-    monkeypatch.setattr(cli, "load_vae", loaded)
-    monkeypatch.setattr(cli, "ExpertSwitcher", loaded)
+    monkeypatch.setattr(generate, "load_vae", loaded)
+    monkeypatch.setattr(generate, "ExpertSwitcher", loaded)
 
 
 def _set(args, flag, *values):
@@ -259,7 +260,7 @@ def test_guide_scale_takes_one_or_two_values(ckpt, shipped_example, tmp_path, ca
 def test_text_encoder_of_another_width_is_refused_before_encoding(
     ckpt, shipped_example, tmp_path, capsys, monkeypatch, nothing_loads
 ):
-    monkeypatch.setattr(cli, "read_encoder_config", lambda path: {"dim": 4096})
+    monkeypatch.setattr(generate, "read_encoder_config", lambda path: {"dim": 4096})
     assert cli.main(args_for(ckpt, shipped_example, tmp_path / "o.mp4")) == 2
     assert "text encoder: embeddings have width 4096, the experts expect 32" in capsys.readouterr().err
 
@@ -413,8 +414,8 @@ def test_sampler_node_asks_comfyui_for_the_planners_denoise_figure(
     subtracted from a figure that counts only its resident part)."""
     import shutil
 
-    from lingbot_world.loaders import planner as memplan
     from lingbot_world.loaders import synthetic
+    from lingbot_world.session import planner as memplan
     from lingbot_world.wan import i2v
 
     config = replace(checkpoints.resolve_checkpoint_dir(nf4_ckpt).config, num_layers=40)

@@ -12,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import args_for, fast_args
 from lingbot_world import cli
-from lingbot_world.loaders import doctor, synthetic
+from lingbot_world.loaders import synthetic
 from lingbot_world.loaders.camera_files import CameraInput, load_camera_dir
 from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR
 from lingbot_world.loaders.video import check_output
+from lingbot_world.session import doctor
 from lingbot_world.wan.camera import camera_conditioning
 from lingbot_world.wan.fast import FastConfig
 from lingbot_world.wan.speed import SpeedOptions
@@ -25,35 +27,6 @@ from lingbot_world.wan.speed import SpeedOptions
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "00"
 pytestmark = pytest.mark.usefixtures("embedding_cache")
-
-
-def generate_args(ckpt, out, *extra, command="generate"):
-    return [
-        command,
-        "--ckpt_dir",
-        str(ckpt),
-        "--image",
-        str(EXAMPLE / "image.jpg"),
-        "--prompt",
-        "a castle",
-        "--size",
-        "64*112",
-        "--frame_num",
-        "9",
-        "--sampling_steps",
-        "2",
-        "--device",
-        "cpu",
-        "--output",
-        str(out),
-        *extra,
-    ]
-
-
-def fast_args(ckpt, out, *extra):
-    args = generate_args(ckpt, out, *extra, command="fast")
-    i = args.index("--sampling_steps")
-    return args[:i] + args[i + 2 :]
 
 
 def refused(capsys, argv, *needles) -> str:
@@ -92,7 +65,7 @@ def test_camera_folder_with_too_few_intrinsics_rows(tmp_path, nf4_ckpt, capsys, 
         assert str(folder / "intrinsics.npy") in message and str(folder / "poses.npy") in message
         assert "5 rows" in message and "961" in message
     out = tmp_path / "o.mp4"
-    refused(capsys, generate_args(nf4_ckpt, out, "--action_path", str(folder)), "intrinsics.npy", "961")
+    refused(capsys, args_for(nf4_ckpt, folder, out), "intrinsics.npy", "961")
     nothing_written(tmp_path, out)
     # what upstream accepts still loads: one row for every frame, or a row per pose and more
     assert len(load_camera_dir(camera_folder(tmp_path / "one", 961, 1))["intrinsics"]) == 1
@@ -116,7 +89,7 @@ def test_infinite_cache_threshold(tmp_path, nf4_ckpt, capsys, nothing_loads):
             SpeedOptions(cache="easycache", cache_threshold=threshold)
     out = tmp_path / "o.mp4"
     for values in (["inf"], ["0.1", "inf"]):
-        argv = generate_args(nf4_ckpt, out, "--cache", "easycache", "--cache_threshold", *values)
+        argv = args_for(nf4_ckpt, None, out, "--cache", "easycache", "--cache_threshold", *values)
         refused(capsys, argv, "--cache_threshold", "finite")
     nothing_written(tmp_path, out)
 
@@ -127,7 +100,7 @@ def test_infinite_cache_threshold(tmp_path, nf4_ckpt, capsys, nothing_loads):
 @pytest.mark.parametrize("command, flag", [("generate", "--camera_preset"), ("camera", "--preset")])
 def test_empty_camera_preset(command, flag, tmp_path, nf4_ckpt, capsys, nothing_loads):
     out, png = tmp_path / "o.mp4", tmp_path / "p.png"
-    argv = generate_args(nf4_ckpt, out) if command == "generate" else ["camera", "--preview", str(png)]
+    argv = args_for(nf4_ckpt, None, out) if command == "generate" else ["camera", "--preview", str(png)]
     for text in ("", "  "):
         with pytest.raises(SystemExit) as exit_:
             cli.main([*argv, flag, text])
@@ -159,7 +132,7 @@ def test_quantize_refuses_a_destination_inside_its_source(tmp_path, capsys):
 def test_allow_act2cam_without_key_files(tmp_path, nf4_ckpt, capsys, nothing_loads):
     folder = camera_folder(tmp_path / "cam", 961, 961)
     out = tmp_path / "o.mp4"
-    argv = generate_args(nf4_ckpt, out, "--action_path", str(folder), "--allow_act2cam")
+    argv = args_for(nf4_ckpt, folder, out, "--allow_act2cam")
     refused(capsys, argv, "--allow_act2cam", str(folder), "wasd_action.npy", "ijkl_action.npy")
     nothing_written(tmp_path, out)
     # with an action string (which implies --allow_act2cam, as upstream) the keys come from the string: said
@@ -214,7 +187,7 @@ def test_generate_outputs_never_replace_a_device_or_an_input(tmp_path, nf4_ckpt,
     vae = ckpt / "Wan2.1_VAE.pth"
 
     def argv(output, *extra):
-        args = generate_args(ckpt, output, "--overwrite", *extra)
+        args = args_for(ckpt, None, output, "--overwrite", *extra)
         args[args.index("--image") + 1] = str(image)
         return args
 
@@ -295,5 +268,5 @@ def test_sink_needs_a_window(fast_ckpt, tmp_path, capsys, nothing_loads):
         FastConfig(sink_size=3).validate()
     FastConfig(local_attn_size=6, sink_size=3).validate()
     out = tmp_path / "o.mp4"
-    refused(capsys, fast_args(fast_ckpt, out, "--sink_size", "3"), "--sink_size", "local_attn_size")
+    refused(capsys, fast_args(fast_ckpt, EXAMPLE, out, "--sink_size", "3"), "--sink_size", "local_attn_size")
     nothing_written(tmp_path, out)

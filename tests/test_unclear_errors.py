@@ -9,9 +9,10 @@ import torch
 from helpers import EXPERT, RunsCode, args_for, fast_args, link_copy, tiny_lora
 from lingbot_world import cli
 from lingbot_world.loaders import tensor_file
+from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
 from lingbot_world.loaders.lora import LoraSpec
-from lingbot_world.loaders.request import read_expert_loras
 from lingbot_world.loaders.synthetic_text import TINY, upstream_state_dict
+from lingbot_world.session.request import read_expert_loras
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +188,7 @@ def test_lora_strength_is_bounded(strength, nf4_ckpt, tmp_path, capsys, nothing_
 
 def test_lora_node_takes_the_same_bound(nf4_ckpt, tmp_path, fake_comfy):
     nodes = fake_comfy(nf4_ckpt, tmp_path)
-    tiny_lora(tmp_path / "l.safetensors", cli.checkpoints.resolve_checkpoint_dir(nf4_ckpt).config)
+    tiny_lora(tmp_path / "l.safetensors", resolve_checkpoint_dir(nf4_ckpt).config)
     (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(nf4_ckpt))
     with pytest.raises(ValueError, match=r"strength must be a number in \[-10, 10\], got 1e\+30"):
         nodes.LingBotLoRA().apply(experts, "l.safetensors", 1e30, "both", False)

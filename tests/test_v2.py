@@ -15,7 +15,6 @@ import pytest
 import torch
 from helpers import check_torchrun_cli_equals_one_process, fast_args, node_inputs, record_forwards
 from lingbot_world import cli
-from lingbot_world.loaders import doctor, fast_run
 from lingbot_world.loaders import fast_checkpoint as FC
 from lingbot_world.loaders import formats as F
 from lingbot_world.loaders import synthetic as S
@@ -24,6 +23,7 @@ from lingbot_world.loaders.stream import load_expert
 from lingbot_world.loaders.text_encode import encode_prompts
 from lingbot_world.loaders.vae import load_vae
 from lingbot_world.loaders.video import read_mp4_info
+from lingbot_world.session import doctor, fast_run
 from lingbot_world.session.controls import KeySteering, keys_camera
 from lingbot_world.wan import i2v
 from lingbot_world.wan.actions import actions_to_poses

@@ -26,7 +26,7 @@ What else runs under it, and why it needs nothing of the collectives:
 - the step cache (`wan.step_cache`): it decides from the replicated latent and the gathered prediction,
   the same bytes on every rank; the decision is still taken from rank 0 (`agree`), so the ranks skip the
   same forwards and their collectives stay paired even where a reduction rounds differently on unlike GPUs.
-- compile is refused (`loaders.request.check_ulysses`): the compiled blocks would trace the collectives.
+- compile is refused (`session.request.check_ulysses`): the compiled blocks would trace the collectives.
 - chunked generation (`wan.fast`): each chunk's forward splits its tokens like any other; the chunk-causal
   keys are written inside `attention`'s core, where the rank holds the whole chunk for its H/N heads, so each
   rank's K/V cache keeps its heads only (1/N of it) and its placement (token counts) is the same on every rank.

@@ -11,7 +11,7 @@
 - ``lean_activations``: True runs each DiT block chunk by chunk with only the full-length tensors alive
   (`wan.dit.WanAttentionBlock.forward_lean`: ~14 instead of ~35 [dim] vectors per token); values equal
   the normal path up to GEMM row blocking. 'auto' (the default) is decided by the run planner
-  (`loaders.request.plan_request`): on only when the run would not fit otherwise, before any block
+  (`session.request.plan_request`): on only when the run would not fit otherwise, before any block
   swap; an 'auto' no planner resolved runs as off. Not with ``compile`` (refused when both are on;
   'auto' never picks it under compile).
 - ``fp8``: the DiT blocks' Linears in fp8 e4m3 with row-wise scales (`wan.fp8`; CUDA compute capability

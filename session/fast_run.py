@@ -15,6 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..loaders.camera_files import CameraInput
+from ..loaders.experts import ExpertSwitcher
+from ..loaders.fast_checkpoint import FastFiles
+from ..loaders.formats import ExpertSource, expected_layout
 from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG, preset_intrinsics
 from ..wan.config import A14B, CHUNKED_KINDS, ChunkedKind, DiTConfig, SampleConfig
@@ -30,10 +34,6 @@ from ..wan.fast import (
 from ..wan.fast_camera import parse_keys_line, pose_camera
 from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
-from .camera_files import CameraInput
-from .experts import ExpertSwitcher
-from .fast_checkpoint import FastFiles
-from .formats import ExpertSource, expected_layout
 from .planner import (
     DECODE_MIN_TILE,
     ENCODE_RAM_BASE,
@@ -390,10 +390,16 @@ MP4_RAM_PER_PIXEL = 100
 class FastMemory:
     model: int  # the DiT on the device (swapped blocks excluded, two in flight)
     caches: int  # self- and cross-attention K/V at their largest
-    work: int  # the larger of a chunk's forward and a chunk's VAE decode (they do not overlap)
+    work_forward: int  # a chunk's forward
+    work_decode: int = 0  # a chunk's VAE decode, when the run decodes each chunk (the CLI; not the node)
     condition: int = 0  # the i2v condition of the whole clip, kept on the device through the loop
     encode: int = 0  # the first-frame encode, before the model loads: the whole clip's video on the device
     ram: int = 0  # host RAM at its largest: the encode's input video, or the loop with the MP4 streamed
+
+    @property
+    def work(self) -> int:
+        """The larger of a chunk's forward and its decode (they do not overlap)."""
+        return max(self.work_forward, self.work_decode)
 
     @property
     def loop(self) -> int:
@@ -413,13 +419,15 @@ def fast_memory(
     tile=None,
     vae_dtype: str = "fp32",
     ranks: int = 1,
+    decode: bool = True,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
     encode's input video; decoded frames are encoded into the MP4 chunk by chunk and not kept. `files`: a
     FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files).
     vae_dtype: the chunk decoder's ('fp32' exact, 'bf16'/'fp16' the fast decoder). `ranks`: sequence-parallel
-    ranks (each holds 1/ranks of the self-attention cache; the rest is counted whole)."""
+    ranks (each holds 1/ranks of the self-attention cache; the rest is counted whole). `decode`: the loop
+    decodes each chunk (the CLI); False where the decode runs elsewhere (the sampler node)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -427,10 +435,10 @@ def fast_memory(
     tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(m.nbytes, cfg.num_layers, swap)
     fixed = tile if isinstance(tile, tuple) else None
-    decode = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True, vae_dtype=vae_dtype)
+    decoding = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True, vae_dtype=vae_dtype) if decode else 0
     # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
-    work = max(int(tokens * FAST_CHUNK_PER_TOKEN * scale), decode)
+    forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
     least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
@@ -443,7 +451,7 @@ def fast_memory(
         )
     )
     caches = kv_cache_bytes_for(cfg, lat_shape, config, ranks=ranks)
-    return FastMemory(model, caches, work, condition, encode, ram)
+    return FastMemory(model, caches, forward, decoding, condition, encode, ram)
 
 
 def fast_fit_issue(
@@ -457,12 +465,13 @@ def fast_fit_issue(
     free_ram: int | None = None,
     vae_dtype: str = "fp32",
     ranks: int = 1,
+    decode: bool = True,
 ) -> str | None:
     """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
     with the predicted peak and the settings that would fit (the fast decoder, a window with a 3-frame
-    sink, fp8 K/V, block swap)."""
+    sink, fp8 K/V, block swap); `vae_dtype`, `ranks` and `decode` as `fast_memory`'s."""
     gib = 1 << 30
-    memory = functools.partial(fast_memory, ranks=ranks)
+    memory = functools.partial(fast_memory, ranks=ranks, decode=decode)
     files = chunked_model(files, quantize)
 
     def peak(config=config, swap=swap, vae_dtype=vae_dtype):
@@ -499,9 +508,7 @@ def fast_fit_issue(
         return options
 
     options = alternatives(vae_dtype)
-    if (
-        vae_dtype == "fp32"
-    ):  # the fast decoder: a chunk's decode, not the model, is what a small model peaks at
+    if decode and vae_dtype == "fp32":  # the fast decoder: a small model peaks at a chunk's decode
         if peak(vae_dtype=FIT_VAE_DTYPE) <= free_vram:
             options.insert(0, f"--vae_dtype {FIT_VAE_DTYPE}")
         elif not options:  # together with another setting

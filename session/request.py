@@ -18,15 +18,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ..loaders.camera_files import CameraInput
+from ..loaders.formats import meta_model
+from ..loaders.lora import LoraSpec, read_loras
 from ..wan import attention, i2v
 from ..wan.block_swap import resolve_swap_blocks
 from ..wan.config import DiTConfig, SampleConfig
 from ..wan.parallel import SequenceParallel, world_size
 from ..wan.schedulers import SCHEDULERS
 from ..wan.speed import SpeedOptions
-from .camera_files import CameraInput
-from .formats import detect_expert_format, meta_model
-from .lora import LoraSpec, read_loras
+from .errors import RequestError
+from .planner import Planner
 
 # Upper bounds that refuse absurd requests before anything is built. 1601 frames is 100 s at 16 fps;
 # 2**20 tokens is past 720p x 961 frames (upstream's longest advertised clip is 961 frames at 480p).
@@ -35,15 +37,6 @@ MAX_TOKENS = 1 << 20
 MAX_STEPS = 1000
 MAX_GUIDE_SCALE = 100.0
 MAX_FPS = 240
-
-
-class RequestError(ValueError):
-    """A request parameter that cannot be used; `param` names it in SampleConfig/plan terms."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
-        self.detail = message
 
 
 @dataclass(frozen=True)
@@ -57,7 +50,7 @@ class Plan:
     camera: CameraInput | None = None
     loras: dict = field(default_factory=dict)  # {'high'|'low': [wan.lora.Lora]}, read and checked
     speed: SpeedOptions = SpeedOptions()  # every option off: today's exact results
-    memory: object = None  # loaders.planner.MemoryPlan when plan_request checked memory, else None
+    memory: object = None  # session.planner.MemoryPlan when plan_request checked memory, else None
     swap_blocks: int | str = 0  # DiT blocks streamed from pinned host RAM, or 'auto' (see wan.block_swap)
     ulysses_size: int = 1  # ranks sharing each forward's video tokens (sequence parallel, see wan.parallel)
 
@@ -133,19 +126,6 @@ def check_text_dim(width: int, config: DiTConfig, encoder=None, experts=None) ->
         )
 
 
-def expert_pair_config(paths: dict) -> tuple[DiTConfig, dict]:
-    """(shared DiTConfig, {'high'|'low': ExpertSource}) from the two experts' headers; they must agree."""
-    sources = {k: detect_expert_format(paths[k]) for k in ("high", "low")}
-    high, low = sources["high"].dit_config, sources["low"].dit_config
-    if high != low:
-        diff = {f: (getattr(high, f), getattr(low, f)) for f in high.__dataclass_fields__}
-        raise ValueError(
-            f"the experts do not match ({paths['high']} vs {paths['low']}): "
-            + ", ".join(f"{f} high={a!r} low={b!r}" for f, (a, b) in diff.items() if a != b)
-        )
-    return high, sources
-
-
 def _number(param: str, value, lo: float, hi: float, integer: bool = False):
     ok = isinstance(value, (int, np.integer)) if integer else isinstance(value, (int, float, np.number))
     if isinstance(value, bool) or not ok or not math.isfinite(value) or not lo <= value <= hi:
@@ -176,7 +156,9 @@ def check_settings(settings: SampleConfig) -> SampleConfig:
     return settings
 
 
-def _size(image_hw: tuple, max_area, width, height) -> tuple:
+def plan_size(image_hw: tuple, max_area=None, width=None, height=None) -> tuple:
+    """(lat_h, lat_w, h, w) for an image of (H, W): within the pixel budget `max_area` at its aspect ratio,
+    or `width` x `height` (RequestError 'max_area' or 'size')."""
     if max_area is not None:
         if width is not None or height is not None:
             raise RequestError(
@@ -234,17 +216,17 @@ def plan_request(
     and, when known, the text encoder's output width. `loras` (LoraSpecs) are read and checked against
     the experts' layers here, once, so a wrong file is refused before any expert streams in. `speed`: the
     sampling loop's speed options (attention backend checked for availability here). `memory`: a
-    `loaders.planner.MemoryCheck` (device, free memory, stored bytes): each phase's peak is predicted
+    `session.planner.MemoryCheck` (device, free memory, stored bytes): each phase's peak is predicted
     and a request that does not fit is refused (MemoryPlanError) before anything loads. `swap_blocks`:
     how many DiT blocks of the resident expert stream from pinned host RAM (0..num_layers, or 'auto').
     `ulysses_size`: ranks of the initialized torch.distributed world that split each forward's tokens (1: one
     device); it must equal the world size and divide the heads. `ulysses_world`: the world size to check it
     against (default: the initialized process group's); `lingbot.py plan` passes `ulysses_size` to plan
-    for ranks it does not start. With `memory`, the memory checked is each rank's (see loaders.planner).
+    for ranks it does not start. With `memory`, the memory checked is each rank's (see session.planner).
     `speed.lean_activations` 'auto' is resolved here: True only when `memory` found the normal blocks would
     not fit the device's free memory (before any 'auto' swap); the Plan's `speed` carries the result."""
     check_settings(settings)
-    size = _size(image_hw, max_area, width, height)
+    size = plan_size(image_hw, max_area, width, height)
     if camera is not None and config.control_type is None:
         raise RequestError(
             "camera", "these experts have no camera layers (plain Wan2.2 i2v); give no camera input"
@@ -275,8 +257,6 @@ def plan_request(
     settings = replace(settings, frame_num=frames)
     memory_plan = None
     if memory is not None:
-        from .planner import Planner
-
         request = replace(
             memory.request,
             compile=bool(speed.compile),

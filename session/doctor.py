@@ -112,10 +112,10 @@ def check_checkpoints(ckpt_dir, assets_dir=None) -> list:
     """Every checkpoint file validated from its headers: the two experts, the chunked model (a Fast or v2
     folder, or a base-cam folder holding a Fast one: both are checked), the text encoder and the VAE
     (from `assets_dir` where the folder lacks them, as `fast --assets_dir`)."""
-    from .checkpoints import resolve_checkpoint_dir
-    from .fast_checkpoint import fast_model_dir, is_model_folder, layout_kind, resolve_fast_dir
-    from .text_encoder import read_encoder_config
-    from .vae import check_vae
+    from ..loaders.checkpoints import resolve_checkpoint_dir
+    from ..loaders.fast_checkpoint import fast_model_dir, is_model_folder, layout_kind, resolve_fast_dir
+    from ..loaders.text_encoder import read_encoder_config
+    from ..loaders.vae import check_vae
 
     root = Path(ckpt_dir).expanduser().resolve()
     # the chunked model's own folder, or a v2 folder (its DiT in transformers/): no base experts

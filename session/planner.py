@@ -43,7 +43,7 @@ from ..wan import i2v
 from ..wan.config import DiTConfig
 from ..wan.dit import FFN_CHUNK, LEAN_CHUNK, ROPE_CHUNK
 from ..wan.vae import DECODE_DTYPES, DEFAULT_OVERLAP, check_tile, pick_tile, tile_spans
-from .request import RequestError
+from .errors import RequestError
 
 GIB = 1 << 30
 

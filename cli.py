@@ -1451,6 +1451,7 @@ def add_play_args(p: argparse.ArgumentParser):
     )
     p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
     p.add_argument("--vae_tile", default="none", help="VAE tiles: 'none' (default), 'auto' or H,W")
+    add_vae_dtype_arg(p)
 
 
 def run_play(args) -> int:
@@ -1475,6 +1476,7 @@ def run_play(args) -> int:
         quantize=args.quantize or None,
         swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),
+        vae_dtype=args.vae_dtype,
         area=args.size,
         mode=args.mode,
         t5_mode=args.t5_mode,

@@ -121,6 +121,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=["history", "hold"], default="history")
     ap.add_argument("--key-period", type=float, default=None, help="seconds between script keys")
     ap.add_argument("--kv_dtype", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--vae_dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the play decoder")
     ap.add_argument("--t5_cpu", action="store_true", help="encode the prompt on the CPU")
     args = ap.parse_args()
     full = args.scale == "full"
@@ -140,6 +141,7 @@ def main() -> int:
         local_attn_size=args.local_attn_size,
         sink_size=args.sink_size,
         kv_dtype=args.kv_dtype,
+        vae_dtype=args.vae_dtype,
         area=h * w,
         mode=args.mode,
         t5_mode="subprocess" if full else "inprocess",
@@ -184,6 +186,7 @@ def main() -> int:
         "size": list(session.size[2:]),
         "window": [session.config.local_attn_size, session.config.sink_size],
         "kv_dtype": args.kv_dtype,
+        "vae_dtype": args.vae_dtype,
         "mode": args.mode,
         "chunks": stats["chunks"],
         "frames_received": len(arrivals),

@@ -37,6 +37,7 @@ from ..wan.camera_presets import DEFAULT_HFOV_DEG
 from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
 from ..wan.pipeline import frames_to_uint8
+from ..wan.vae import decode_dtype
 from . import fast_run
 from .controls import ChunkCamera, Controls
 from .planner import GIB, PROCESS_RAM, free_memory
@@ -77,6 +78,7 @@ class PlaySession:
         quantize: bool | None = None,
         swap: int = 0,
         tile=None,
+        vae_dtype: str = "fp32",
         area: int = 480 * 832,
         mode: str = "history",
         intrinsics=None,
@@ -100,6 +102,7 @@ class PlaySession:
         self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind)
         self.files, self.device = files, torch.device(device)
         self.quantize, self.swap, self.tile, self.area = quantize, swap, tile, area
+        self.vae_dtype, self._decode_dtype = vae_dtype, decode_dtype(vae_dtype, self.device)
         self.t5_mode, self.t5_device = (
             t5_mode,
             t5_device or ("cpu" if self.device.type == "cpu" else str(device)),
@@ -165,7 +168,13 @@ class PlaySession:
         window)."""
         lat_f, lat_h, lat_w = self.lat_shape(image)
         return fast_run.fast_memory(
-            self.files, (self._plan_frames(), lat_h, lat_w), self.config, self.quantize, self.swap, self.tile
+            self.files,
+            (self._plan_frames(), lat_h, lat_w),
+            self.config,
+            self.quantize,
+            self.swap,
+            self.tile,
+            self.vae_dtype,
         )
 
     def check_memory(self, image: torch.Tensor) -> None:
@@ -183,6 +192,7 @@ class PlaySession:
             vram,
             self.tile,
             free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
+            vae_dtype=self.vae_dtype,
         )
         if issue is not None:
             raise ValueError(f"memory: {issue}")
@@ -249,7 +259,7 @@ class PlaySession:
             intr = fast_run.steering_intrinsics(None, self.size, DEFAULT_HFOV_DEG)
         self._camera = ChunkCamera(self.size, intr, self.chunk, device=self.device)
         self.intrinsics_used = self._camera.intrinsics
-        self._decoder = self._vae.chunk_decoder(self.tile)
+        self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype)
         self._landed = {}
         self.poses = []
         self.rollouts += 1

@@ -2,8 +2,6 @@
 CONDITIONING + LATENT, so core samplers (KSamplerAdvanced x2 split at the boundary, ModelSamplingSD3 for the
 shift), LoRA loaders and ComfyUI's model management run the model."""
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..loaders.formats import CheckpointError, detect_expert_format
@@ -12,10 +10,10 @@ from ..wan import i2v
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, NO_EXPERTS, _default, expert_choices, resolve_model
+from .native_camera import CAMERA_KEY, NativeCamera
 from .sampler import frame_inputs, image_to_input
 from .vae import sampler_vae
 
-CAMERA_KEY = "lingbot_camera"  # the CONDITIONING key, and the native model's forward argument
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STORED = "as stored"
 MANAGEMENT_NOTE = (
@@ -24,22 +22,6 @@ MANAGEMENT_NOTE = (
     "Sampler can also chunk activations (Speed: lean_activations), swap blocks ahead of time, drop the idle "
     "expert and plan a request before it loads, which fits longer or larger videos on small cards."
 )
-
-
-@dataclass
-class NativeCamera:
-    """What a LingBot conditioning node puts under `lingbot_camera`: the pack's camera input and the video it
-    drives; packed into the DiT's tensor once the model's control type (cam/act) is known."""
-
-    camera: object  # loaders.camera_files.CameraInput
-    frame_num: int
-    size: tuple  # (lat_h, lat_w, h, w)
-    _packed: dict = field(default_factory=dict, repr=False)
-
-    def tensor(self, control_type: str | None) -> torch.Tensor:
-        if control_type not in self._packed:
-            self._packed[control_type] = self.camera.pack(control_type, self.frame_num, self.size, "cpu")[0]
-        return self._packed[control_type]
 
 
 class LingBotNativeModelLoader:

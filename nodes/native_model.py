@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from ..wan.config import CONTROL_CHANNELS, DiTConfig
-from .native import CAMERA_KEY, NativeCamera
+from .native_camera import CAMERA_KEY, NativeCamera
 
 CAMERA_LINEARS = ("cam_injector_layer1", "cam_injector_layer2", "cam_scale_layer", "cam_shift_layer")
 LINGBOT_SHIFT = 10.0  # upstream's sample_shift (the model's default before ModelSamplingSD3)

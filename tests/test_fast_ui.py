@@ -332,7 +332,9 @@ def test_fast_vae_dtype_refusals(fast_ckpt, shipped_example, tmp_path, capsys, m
     assert V.decode_dtype("fp16", "cuda") == torch.float16 and V.decode_dtype("fp32", "cuda") is None
     assert V.decode_dtype("bf16", "cpu") == torch.bfloat16  # runs on the CPU (slowly)
     monkeypatch.setattr(cli, "resolve_device", lambda text: torch.device("cuda"))
-    monkeypatch.setattr(cli, "load_vae", lambda *a, **k: pytest.fail("loaded the VAE"))
+    from lingbot_world.session import chunked
+
+    monkeypatch.setattr(chunked, "load_vae", lambda *a, **k: pytest.fail("loaded the VAE"))
     assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--vae_dtype", "bf16")) == 2
     assert "error: --vae_dtype: Tesla T4 has no bf16" in capsys.readouterr().err
     assert not out.exists()

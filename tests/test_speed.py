@@ -279,6 +279,9 @@ def test_compiler_failure_at_first_call_falls_back_to_eager(inputs, caplog):
     def broken_backend(gm, example_inputs):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
 
+    # earlier tests' compiled blocks (bf16, fp8) fill dynamo's per-function cache; at its recompile limit dynamo
+    # would run the block eagerly without asking this backend at all
+    torch._dynamo.reset()
     runner = speed.CompiledBlocks(backend=broken_backend)
     model = inputs.models["high"]
     x, y, cam, t = inputs.noise, inputs.y, inputs.cam, torch.tensor([900])

@@ -1306,8 +1306,17 @@ def _run_fast(args, files, device, ranks, output) -> int:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
+    free = generate.machine_memory(device)  # (None, None) off CUDA
     need = fast_run.fast_memory(
-        files, (lat_f, lat_h, lat_w), config, quantize, swap, tile, args.vae_dtype, ranks=ranks
+        files,
+        (lat_f, lat_h, lat_w),
+        config,
+        quantize,
+        swap,
+        tile,
+        args.vae_dtype,
+        ranks=ranks,
+        budget=free[0],
     )
     if lead:
         print(
@@ -1322,7 +1331,7 @@ def _run_fast(args, files, device, ranks, output) -> int:
             config,
             quantize,
             swap,
-            generate.machine_memory(device),
+            free,
             tile,
             vae_dtype=args.vae_dtype,
             ranks=ranks,

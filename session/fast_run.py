@@ -36,9 +36,11 @@ from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
 from .planner import (
     DECODE_MIN_TILE,
+    ENCODE_PER_PIXEL_FRAME,
     ENCODE_RAM_BASE,
     ENCODE_RAM_PER_PIXEL_FRAME,
     PROCESS_RAM,
+    VAE_BASE,
     decode_vram,
     encode_tile,
     encode_vram,
@@ -420,6 +422,7 @@ def fast_memory(
     vae_dtype: str = "fp32",
     ranks: int = 1,
     decode: bool = True,
+    budget: int | None = None,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
@@ -427,7 +430,8 @@ def fast_memory(
     FastFiles or a ChunkedModel (a chunked kind by its architecture, for planning without files).
     vae_dtype: the chunk decoder's ('fp32' exact, 'bf16'/'fp16' the fast decoder). `ranks`: sequence-parallel
     ranks (each holds 1/ranks of the self-attention cache; the rest is counted whole). `decode`: the loop
-    decodes each chunk (the CLI); False where the decode runs elsewhere (the sampler node)."""
+    decodes each chunk (the CLI); False where the decode runs elsewhere (the sampler node). `budget`: the free
+    VRAM at the encode, which 'auto' tiles it to (as `WanVAE.encode` does; None: counted at its smallest tile)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -441,8 +445,13 @@ def fast_memory(
     forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
-    least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
-    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
+    if tile == "auto" and budget is not None:  # the tile the encode will pick from what is free
+        video = ENCODE_PER_PIXEL_FRAME * frames * pixels
+        enc_tile = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
+    else:
+        least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
+        enc_tile = encode_tile(lat_h, lat_w, least, None)
+    encode = encode_vram(frames, lat_f, lat_h, lat_w, enc_tile)
     encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
     ram = int(
         max(
@@ -471,7 +480,7 @@ def fast_fit_issue(
     with the predicted peak and the settings that would fit (the fast decoder, a window with a 3-frame
     sink, fp8 K/V, block swap); `vae_dtype`, `ranks` and `decode` as `fast_memory`'s."""
     gib = 1 << 30
-    memory = functools.partial(fast_memory, ranks=ranks, decode=decode)
+    memory = functools.partial(fast_memory, ranks=ranks, decode=decode, budget=free_vram)
     files = chunked_model(files, quantize)
 
     def peak(config=config, swap=swap, vae_dtype=vae_dtype):

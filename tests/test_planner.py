@@ -579,6 +579,30 @@ def test_v2_1_3b_fits_8_gib_with_the_fast_decoder():
     assert "--vae_dtype fp16 --kv_dtype fp8" in message
 
 
+def test_chunked_encode_is_predicted_at_the_tile_auto_picks_from_the_free_vram():
+    """'auto' tiles the first-frame encode to what is free when it runs (no model loaded yet): given that free
+    VRAM the figure is the tile the encode picks (the whole frame with room to spare: measured 7.56 GiB for the
+    1.3B's 109 frames under an 8 GiB cap, after 2.96 was predicted at the smallest tile); without it, the
+    smallest tile. A bigger budget never predicts less, and a fixed tile ignores the budget."""
+    from lingbot_world.session import fast_run
+    from lingbot_world.wan.config import CHUNKED_KINDS
+
+    kind = CHUNKED_KINDS["v2-1.3b"]
+    model, shape = fast_run.ChunkedModel.of_kind(kind), (28, 58, 104)
+    config = fast_run.fast_config(None, 0, None, None, "fp8", kind)
+    memory = functools.partial(fast_run.fast_memory, model, shape, config, True, 0)
+    least, whole = memory("auto").encode, memory(None).encode
+    assert least < whole
+    assert memory("auto", budget=whole + mp.GIB).encode == whole  # room: the whole frame, as the encode does
+    squeezed = memory("auto", budget=whole // 2).encode
+    assert least <= squeezed < whole  # the tile the encode picks for what is free
+    assert memory((32, 32), budget=whole + mp.GIB).encode == memory((32, 32)).encode
+    assert 7.3 < whole / mp.GIB < 7.8  # the untiled encode measured 7.56 GiB on an H200
+    # the fit check plans the encode against the free VRAM it checks: it never refuses for an encode that tiles
+    free = int(7.8 * mp.GIB)
+    assert fast_run.fast_fit_issue(model, shape, config, True, 0, free, "auto", vae_dtype="fp16") is None
+
+
 def test_plan_names_the_fast_decoder(demo_ckpt, capsys):
     """`plan --vae_dtype fp16` plans generate's decode with the fast decoder; `plan --model v2-1.3b` at 8 GiB
     is refused naming --vae_dtype and passes with it (exit 2 / 0, nothing loaded either way)."""

@@ -707,10 +707,9 @@ def test_play_node_is_interrupted_cleanly(server):
     assert "LingBot-World Play stopped early; model released" in server.log(400)
 
 
-@pytest.mark.slow
-def test_play_node_in_the_browser(server, tmp_path):
-    """The ComfyUI page in headless Chromium: queueing the Play node opens the play panel; W on the panel moves
-    the camera in the panel's log; Stop ends the prompt with the frames saved."""
+@pytest.fixture
+def browser(server, tmp_path):
+    """The ComfyUI page in headless Chromium (selenium), once the frontend has loaded the pack's extensions."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
@@ -718,8 +717,6 @@ def test_play_node_in_the_browser(server, tmp_path):
         pytest.skip(
             "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
         )
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
@@ -745,19 +742,127 @@ def test_play_node_in_the_browser(server, tmp_path):
                 "window.app.extensions.some(e => e.name === 'LingBot.Play'))"
             )
         )
-        prompt_id = server.queue_prompt(play_prompt(server, seed=11))
-        panel = WebDriverWait(driver, scaled(120), 0.5).until(lambda d: d.find_element(By.ID, "lingbot-play"))
-        log = lambda: driver.execute_script("return window.lingbotPlayLog || []")  # noqa: E731
-        WebDriverWait(driver, scaled(120), 0.5).until(lambda d: len(log()) >= 1)
-        ActionChains(driver).click(panel.find_element(By.TAG_NAME, "img")).key_down("w").perform()
-        WebDriverWait(driver, scaled(180), 0.5).until(lambda d: log()[-1]["z"] > 0.1)
-        entries = log()
-        assert [e["index"] for e in entries] == list(range(len(entries)))
-        panel.find_element(By.CSS_SELECTOR, '[data-a="stop"]').click()
-        entry = server.wait_history(prompt_id, timeout=scaled(60))
-        assert entry["status"]["status_str"] == "success", (
-            json.dumps(entry["status"], indent=1) + server.log()
-        )
-        assert len([f for out in entry["outputs"].values() for f in out.get("images", [])]) >= len(entries)
+        yield driver
     finally:
         driver.quit()
+
+
+@pytest.mark.slow
+def test_play_node_in_the_browser(server, browser):
+    """The ComfyUI page in headless Chromium: queueing the Play node opens the play panel; W on the panel moves
+    the camera in the panel's log; Stop ends the prompt with the frames saved."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver = browser
+    prompt_id = server.queue_prompt(play_prompt(server, seed=11))
+    panel = WebDriverWait(driver, scaled(120), 0.5).until(lambda d: d.find_element(By.ID, "lingbot-play"))
+    log = lambda: driver.execute_script("return window.lingbotPlayLog || []")  # noqa: E731
+    WebDriverWait(driver, scaled(120), 0.5).until(lambda d: len(log()) >= 1)
+    ActionChains(driver).click(panel.find_element(By.TAG_NAME, "img")).key_down("w").perform()
+    WebDriverWait(driver, scaled(180), 0.5).until(lambda d: log()[-1]["z"] > 0.1)
+    entries = log()
+    assert [e["index"] for e in entries] == list(range(len(entries)))
+    panel.find_element(By.CSS_SELECTOR, '[data-a="stop"]').click()
+    entry = server.wait_history(prompt_id, timeout=scaled(60))
+    assert entry["status"]["status_str"] == "success", json.dumps(entry["status"], indent=1) + server.log()
+    assert len([f for out in entry["outputs"].values() for f in out.get("images", [])]) >= len(entries)
+
+
+# Drops a workflow file on the page as a user's drag and drop does (the frontend's document "drop" handler
+# reads the file and loads it); a test extension records the node types the frontend found missing.
+DROP_JS = """
+const [name, text] = arguments;
+if (!window.lingbotTestHooked) {
+  window.lingbotTestHooked = true;
+  app.registerExtension({
+    name: "LingBot.Test.Drop",
+    async afterConfigureGraph(missing) { window.lingbotTestMissing = [...missing]; },
+  });
+}
+window.lingbotTestMissing = null;
+const files = new DataTransfer();
+files.items.add(new File([text], name, { type: "application/json" }));
+document.dispatchEvent(new DragEvent("drop", { dataTransfer: files, bubbles: true, cancelable: true }));
+"""
+# What the page holds after the drop: the missing types, its nodes and links, and the API prompt the frontend
+# would queue.
+GRAPH_JS = """
+const done = arguments[arguments.length - 1];
+app.graphToPrompt().then((p) => done({
+  missing: window.lingbotTestMissing,
+  nodes: app.graph.nodes.map((n) => [n.id, n.type, !!n.has_errors]),
+  links: app.graph.links instanceof Map ? app.graph.links.size : Object.keys(app.graph.links).length,
+  prompt: Object.fromEntries(Object.entries(p.output).map(([k, v]) => [k, v.class_type])),
+}));
+"""
+
+
+def drop_workflow(driver, name: str, ui: dict) -> dict:
+    """Drop `ui` as the file `name` on the page; the page's graph once loaded (see GRAPH_JS)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.execute_script(DROP_JS, name, json.dumps(ui))
+    WebDriverWait(driver, scaled(60), 0.2).until(
+        lambda d: d.execute_script("return window.lingbotTestMissing !== null")
+    )
+    return driver.execute_async_script(GRAPH_JS)
+
+
+@pytest.mark.slow
+def test_every_template_drops_into_the_page(server, browser):
+    """Each shipped template dropped on the ComfyUI page in headless Chromium loads with no missing node types,
+    every node and link as in the file, and converts to a prompt of the same nodes."""
+    for path in sorted((ROOT / "example_workflows").glob("*.json")):
+        ui = json.loads(path.read_text())
+        graph = drop_workflow(browser, path.name, ui)
+        assert graph["missing"] == [], (path.name, graph["missing"])
+        assert not [n for n in graph["nodes"] if n[2]], (path.name, graph["nodes"])
+        assert sorted((n[0], n[1]) for n in graph["nodes"]) == sorted(
+            (n["id"], n["type"]) for n in ui["nodes"]
+        )
+        assert graph["links"] == len(ui["links"]), path.name
+        assert graph["prompt"] == {str(n["id"]): n["type"] for n in ui["nodes"]}, path.name
+
+
+@pytest.mark.slow
+def test_native_template_dropped_in_the_page_runs(server, browser):
+    """The native template dropped on the page, its widgets set to the tiny models' size in the page (the tiny
+    CLIP loader standing in for core CLIPLoader, as in `native_ksampler_prompt`), queued from the page: the
+    prompt the frontend builds runs to a video."""
+    ui = json.loads(NATIVE_KSAMPLER_WORKFLOW.read_text())
+    tiny = native_ksampler_prompt(server)
+    for node in ui["nodes"]:
+        if node["type"] == "CLIPLoader":
+            node["type"] = "LingBotTestTinyWanCLIPLoader"
+            node["widgets_values"] = node["widgets_values"][:1]
+    graph = drop_workflow(browser, NATIVE_KSAMPLER_WORKFLOW.name, ui)
+    assert graph["missing"] == [] and len(graph["nodes"]) == len(ui["nodes"]), graph
+    # set the widgets by name, as a user would, to the tiny prompt's values (the seed stays the page's own)
+    widgets = {
+        k: {n: v for n, v in node["inputs"].items() if not isinstance(v, list) and n != "noise_seed"}
+        for k, node in tiny.items()
+    }
+    browser.execute_script(
+        """
+        for (const [id, values] of Object.entries(arguments[0])) {
+          const node = app.graph.getNodeById(Number(id));
+          for (const w of node.widgets || []) if (w.name in values) w.value = values[w.name];
+        }
+        """,
+        widgets,
+    )
+    before = set(server.get("/history"))
+    queue_js = "const done = arguments[arguments.length - 1]; app.queuePrompt(0, 1).then(done, (e) => done(String(e)));"
+    answer = browser.execute_async_script(queue_js)  # shown if nothing was queued
+    queue = server.get("/queue")
+    queued = {item[1] for item in queue["queue_running"] + queue["queue_pending"]}
+    queued |= set(server.get("/history")) - before
+    assert len(queued) == 1, (answer, queued, server.log())
+    entry = server.wait_history(queued.pop(), timeout=300)
+    sent = entry["prompt"][2]  # the prompt the page built: the tiny values, not the template's
+    assert {k: {n: sent[k]["inputs"][n] for n in values} for k, values in widgets.items()} == widgets
+    frames = saved_video(server, entry)
+    assert len(frames) == 9 and frames[0].shape == (48, 112, 3)
+    assert max(f.std() for f in frames) > 1.0

@@ -1,9 +1,12 @@
 """Benchmark: the native ComfyUI graph against the pack's own sampler, same card, same request.
 
 Native: each random NF4 expert loaded as a core MODEL (LingBot-World Model (native)'s code: the pack's loader into
-host RAM, then `nodes.native_model.build_model`), ModelSamplingSD3, two core KSamplerAdvanced (euler/simple, the
+host RAM, then `nodes.native_model.build_model`), at shift 10, two core KSamplerAdvanced runs (euler/simple, the
 high expert for the first `--split` steps) with ComfyUI's own model management loading, offloading and
-partially loading the experts. Pack: `wan.pipeline.denoise` (what LingBot-World Sampler runs) with the experts
+partially loading the experts. To keep ComfyUI's import graph narrow (its top-level nodes.py and comfy_extras pull
+in PyAV and the API packages), the sampler is core's `comfy.sample.sample` called as KSamplerAdvanced calls it
+(noise, start/end step, leftover noise; no preview), and the shift is the native model's own flow sampling at 10,
+which is what ModelSamplingSD3 at 10 sets (same sampling classes, same sigmas). Pack: `wan.pipeline.denoise` (what LingBot-World Sampler runs) with the experts
 streamed by the pack's ExpertSwitcher, Euler, the boundary placed at the same step. Both get the same random
 text, first-frame latent, mask and camera tensor (no text encoder or VAE: the DiT's work only), 464x832x81 at
 full scale. Reported per side: peak VRAM (torch's allocator), ComfyUI's loaded/offloaded bytes per expert,
@@ -11,7 +14,9 @@ anonymous-RSS growth of the expert loads and of the run, and step times (median 
 expert's first).
 
 Needs ComfyUI importable: `--comfyui DIR` (or COMFYUI_DIR) names a checkout (an untracked copy carried to the
-device works), run with an interpreter that has ComfyUI's requirements plus the pack's (bitsandbytes):
+device works; its tokenizer data files are not read). Python packages it imports beside torch, einops, scipy,
+safetensors and transformers: bitsandbytes, torchsde (+ trampoline), pillow, psutil, torchvision (ComfyUI's model
+code imports it), aiohttp (the pack's nodes):
 
     python benchmarks/bench_native.py --comfyui /path/to/ComfyUI --scale full --workdir /tmp/bench_native \
         --vram-cap-gib 24      # CUDA: two random full-size NF4 experts (~2 x 10 GB) are written once
@@ -71,9 +76,7 @@ def main() -> int:
         )  # ComfyUI plans for the cap
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.vram_cap_gib * GIB / total))
     import comfy.model_management as mm
-    from comfy_extras.nodes_model_advanced import ModelSamplingSD3
-
-    from nodes import KSamplerAdvanced
+    import comfy.sample
 
     sys.path.insert(0, str(HERE.parent))
     sys.path.insert(0, str(HERE))
@@ -170,46 +173,45 @@ def main() -> int:
 
         return run
 
+    def ksampler_advanced(model, add_noise, steps, latent, start, end, leftover_noise):
+        """Core KSamplerAdvanced (seed 0, cfg 5, euler/simple): its comfy.sample.sample call, without a preview."""
+        image = comfy.sample.fix_empty_latent_channels(model, latent["samples"])
+        if add_noise:
+            noise = comfy.sample.prepare_noise(image, 0)
+        else:
+            noise = torch.zeros(image.size(), dtype=image.dtype, layout=image.layout, device="cpu")
+        samples = comfy.sample.sample(
+            model,
+            noise,
+            steps,
+            5.0,
+            "euler",
+            "simple",
+            positive,
+            negative,
+            image,
+            disable_noise=not add_noise,
+            start_step=start,
+            last_step=end,
+            force_full_denoise=not leftover_noise,
+            disable_pbar=True,
+            seed=0,
+        )
+        return {**latent, "samples": samples}
+
     patched = {}
     for name, m in models.items():
         m.set_model_sampler_post_cfg_function(after_step(name))
-        patched[name] = ModelSamplingSD3().patch(m, 10.0)[0]
+        shift = m.get_model_object("model_sampling").shift
+        assert shift == 10.0, f"the native model's shift is {shift}, not ModelSamplingSD3's 10"
+        patched[name] = m
     peak_reset()
-    ks = KSamplerAdvanced()
     with monitor.RssSampler() as run_rss:
         t0 = time.perf_counter()
         stamps["high"] = (time.perf_counter(), [])
-        mid = ks.sample(
-            patched["high"],
-            "enable",
-            0,
-            args.steps,
-            5.0,
-            "euler",
-            "simple",
-            positive,
-            negative,
-            latent,
-            0,
-            args.split,
-            "enable",
-        )[0]
+        mid = ksampler_advanced(patched["high"], True, args.steps, latent, 0, args.split, True)
         stamps["low"] = (time.perf_counter(), [])
-        ks.sample(
-            patched["low"],
-            "disable",
-            0,
-            args.steps,
-            5.0,
-            "euler",
-            "simple",
-            positive,
-            negative,
-            mid,
-            args.split,
-            10000,
-            "disable",
-        )
+        ksampler_advanced(patched["low"], False, args.steps, mid, args.split, 10000, False)
         sync()
         native_run_s = time.perf_counter() - t0
     native = {

@@ -392,7 +392,10 @@ def build_model(cfg: DiTConfig, expert: torch.nn.Module, dtype: torch.dtype) -> 
             if pname == "weight" and qs is not None:
                 install_nf4(target, p.data, qs)
             else:
-                target._parameters[pname] = torch.nn.Parameter(p.data, requires_grad=False)
+                data, held = p.data, target._parameters.get(pname)
+                if held is not None and held.dtype != data.dtype:  # core keeps some (patch embedding) fp32
+                    data = data.to(held.dtype)
+                target._parameters[pname] = torch.nn.Parameter(data, requires_grad=False)
     left = [n for n, p in dit.named_parameters() if p.is_meta]
     if left:
         raise ValueError(f"the expert has no tensor for {left[:5]}{' ...' if len(left) > 5 else ''}")

@@ -172,6 +172,12 @@ def main(pack_root: str, work: str) -> dict:
     results["patcher"] = patcher_checks(models, text, pos)
     results["patches"] = patch_checks(pos, neg, latent)
     results["golden"] = golden_checks(Path(pack_root) / "tests" / "golden" / "dit.safetensors")
+    # bf16 weights: core keeps the patch embedding (and whatever else it builds in fp32) in fp32
+    bf16 = LingBotNativeModelLoader().load("fp32_high", "bf16", False)[0].model.diffusion_model
+    results["bf16"] = {
+        "patch_embedding": str(bf16.patch_embedding.weight.dtype),
+        "block_linear": str(bf16.blocks[0].self_attn.q.weight.dtype),
+    }
     return results
 
 

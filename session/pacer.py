@@ -5,8 +5,8 @@ rate, so the picture moves steadily.
 
 - Rate: the interval is the recent production time per frame (`produced(seconds, frames)` after each chunk:
   the shorter of the last 2 chunks' seconds per frame: one slow chunk does not slow playback down, which
-  would add latency for several chunks; a wrong guess on the short side makes the display wait once). The first chunk reported (warm-up) is left out; frames that come before a rate is
-  known go out as they come.
+  would add latency for several chunks; a guess on the short side makes the display wait once). The first
+  chunk reported (warm-up) is left out; frames that come before a rate is known go out as they come.
 - Buffer, trough based: when a frame comes, the slack is how long before it is needed (the previous frame's
   show time plus one interval, minus now; 0 when the display already waited). Its minimum over the last chunk
   of arrivals (the trough, met at a chunk's first frame) should be `buffer` intervals; the interval is
@@ -19,8 +19,8 @@ rate, so the picture moves steadily.
 
 `pump()` emits what is due and is all the timing logic (tests drive it with a fake clock); `start()` runs it in
 a thread. `stats()`: what was shown, i.e. emitted (the page shows a frame when it arrives): FPS as shown and the
-gaps between frames after warm-up (frames pushed once a rate was known), the delay the pacer added, and key->pixel to the frame's show time. Frames
-still queued at `close()` are sent at once and not counted as shown.
+gaps between frames after warm-up (frames pushed once a rate was known), the delay the pacer added, and
+key->pixel to the frame's show time. Frames still queued at `close()` are sent at once and not counted as shown.
 """
 
 import threading

@@ -10,9 +10,9 @@ GET / serves the page (web/play/index.html), GET /stats the session's numbers as
 Frames are paced (session.pacer): they leave one interval apart at the recent production rate, a small buffer
 ahead, instead of in a burst per chunk; text messages keep their place among them. The stats add the pacer's
 figures (`shown_*`: FPS, frame gaps and key->pixel as shown, i.e. sent; `pace_delay_*`) to the session's
-(hand-out figures). The first client controls the session; later ones are viewers (frames only; their input is refused with an
-error message). The controlling client's socket closing (tab closed) or "stop" ends the session: the loop
-stops after the chunk in progress and the model and caches are freed.
+(hand-out figures). The first client controls the session; later ones are viewers (frames only; their input
+is refused with an error message). The controlling client's socket closing (tab closed) or "stop" ends the
+session: the loop stops after the chunk in progress and the model and caches are freed.
 """
 
 import asyncio

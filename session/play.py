@@ -18,7 +18,9 @@ after a long run of zero frames changes less and less from one latent frame to t
 
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
 chunk, key->pixel latency (from a key or mouse event's arrival to the hand-out of the first frame of the
-latent frame it landed in) as p50/p95, and the device memory.
+latent frame it landed in) as p50/p95, and the device memory. Those are hand-out figures (the frames shown as
+they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
+that paces the frames (session.pacer) measures key->pixel to the frame's show time.
 """
 
 import functools
@@ -53,6 +55,7 @@ class PlayFrame:
     latent: int  # latent frame of the rollout it belongs to
     image: torch.Tensor  # uint8 [H, W, 3] on the CPU
     pose: np.ndarray  # the latent frame's c2w [4, 4] in the rollout's world frame
+    keys: tuple = ()  # arrival times of the input events that landed in this frame's latent frame (its first)
 
 
 def rollout_latent_frames(chunk: int) -> int:
@@ -318,11 +321,11 @@ class PlaySession:
         return made
 
     def _hand_out(self, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
+        keys = tuple(self._landed.pop(latent, ()))
         if self.on_frame is not None:
-            self.on_frame(PlayFrame(self.frames, self.rollouts - 1, latent, frame, pose))
+            self.on_frame(PlayFrame(self.frames, self.rollouts - 1, latent, frame, pose, keys))
         now = self.clock()
-        for t in self._landed.pop(latent, []):
-            self.latencies.append(now - t)
+        self.latencies.extend(now - t for t in keys)
         self.frames += 1
         self._last_frame_t = now
 

@@ -7,9 +7,12 @@ GET / serves the page (web/play/index.html), GET /stats the session's numbers as
   {"type": "error", "message": ...}, {"type": "end", "reason": ...};
 - up, text JSON: {"type": "key", "key": "KeyW", "down": true}, {"type": "look", "dx": 3, "dy": -1},
   {"type": "prompt", "text": "..."}, {"type": "restart"}, {"type": "stop"}.
-The first client controls the session; later ones are viewers (frames only; their input is refused with an
-error message). The controlling client's socket closing (tab closed) or "stop" ends the session: the loop
-stops after the chunk in progress and the model and caches are freed.
+Frames are paced (session.pacer): they leave one interval apart at the recent production rate, a small buffer
+ahead, instead of in a burst per chunk; text messages keep their place among them. The stats add the pacer's
+figures (`shown_*`: FPS, frame gaps and key->pixel as shown, i.e. sent; `pace_delay_*`) to the session's
+(hand-out figures). The first client controls the session; later ones are viewers (frames only; their input
+is refused with an error message). The controlling client's socket closing (tab closed) or "stop" ends the
+session: the loop stops after the chunk in progress and the model and caches are freed.
 """
 
 import asyncio
@@ -25,6 +28,8 @@ from pathlib import Path
 import numpy as np
 from aiohttp import WSMsgType, web
 
+from ..wan.config import VAE_STRIDE
+from .pacer import Pacer
 from .play import PlayFrame, PlaySession
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -62,9 +67,12 @@ def host_warning(host: str) -> str | None:
 
 class PlayServer:
     """Serve `session` (not started yet) from `image` + `prompt` on host:port until the controlling client
-    leaves. `record`: a callable taking each PlayFrame (the CLI's MP4 recorder), called in the play thread."""
+    leaves. `record`: a callable taking each PlayFrame (the CLI's MP4 recorder), called in the play thread.
+    `pace`: False sends each frame as soon as it is made (the shown figures are still reported)."""
 
-    def __init__(self, session: PlaySession, image, prompt: str, host="127.0.0.1", port=8765, record=None):
+    def __init__(
+        self, session: PlaySession, image, prompt: str, host="127.0.0.1", port=8765, record=None, pace=True
+    ):
         self.session, self.image, self.prompt = session, image, prompt
         self.host, self.port, self.record = host, port, record
         self.error: BaseException | None = None
@@ -79,6 +87,8 @@ class PlayServer:
         self._done = None
         self.check = None  # called between chunks and while waiting (a front end's interrupt check)
         self.stats = None
+        per_chunk = session.chunk * VAE_STRIDE[0]
+        self.pacer = Pacer(self._broadcast, per_chunk, pace=pace, clock=session.clock)
         session.on_frame = self._on_frame
 
     # --- the play thread ---------------------------------------------------------------------------------
@@ -86,7 +96,7 @@ class PlayServer:
     def _on_frame(self, frame: PlayFrame) -> None:
         if self.record is not None:
             self.record(frame)
-        self._broadcast(frame_message(frame))
+        self.pacer.push(frame_message(frame), keys=frame.keys)
 
     def _broadcast(self, payload) -> None:
         loop = self._loop
@@ -95,23 +105,32 @@ class PlayServer:
         for queue in list(self._clients.values()):
             loop.call_soon_threadsafe(queue.put_nowait, payload)
 
+    def stats_now(self) -> dict:
+        """The session's figures and the pacer's."""
+        return {**self.session.stats(), **self.pacer.stats()}
+
     def _work(self) -> None:
+        self.pacer.start()
         try:
             self.session.start(self.image, self.prompt)
             self.ready.set()
-            self._broadcast(json.dumps({"type": "ready"}))
+            self.pacer.push(json.dumps({"type": "ready"}), frame=False)
             while not self._stop.is_set():
                 if self.check is not None:
                     self.check()
                 if not self._controller_here.wait(0.1):
                     continue
-                self.session.step()
-                self._broadcast(json.dumps({"type": "stats", **self.session.stats()}))
+                made = self.session.step()
+                self.pacer.produced(self.session.chunk_seconds[-1], made)
+                self.pacer.push(json.dumps({"type": "stats", **self.stats_now()}), frame=False)
         except BaseException as err:  # reported by serve(); the clients are told
             self.error = err
-            self._broadcast(json.dumps({"type": "error", "message": f"{type(err).__name__}: {err}"}))
+            self.pacer.push(
+                json.dumps({"type": "error", "message": f"{type(err).__name__}: {err}"}), frame=False
+            )
         finally:
-            self.stats = self.session.stats()
+            self.pacer.close()
+            self.stats = self.stats_now()
             self.session.close()
             self._broadcast(json.dumps({"type": "end", "reason": self.end_reason or "error"}))
             loop = self._loop
@@ -147,7 +166,7 @@ class PlayServer:
 
     async def _stats(self, request) -> web.Response:
         return web.json_response(
-            {**self.session.stats(), "ready": self.ready.is_set(), "clients": len(self._clients)}
+            {**self.stats_now(), "ready": self.ready.is_set(), "clients": len(self._clients)}
         )
 
     async def handle_ws(self, request) -> web.WebSocketResponse:

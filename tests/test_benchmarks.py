@@ -468,7 +468,7 @@ def test_bench_vae_chunk_mode(tmp_path):
 
 def test_bench_play(tmp_path):
     """The scripted client plays 4 chunks of the tiny v2 1.3B: 13 + 3 * 16 frames arrive; the session saw the
-    script's keys and the client saw the camera answer some of them."""
+    script's keys and the client saw the camera answer some of them; the paced figures are reported."""
     s = run_tiny("bench_play.py", tmp_path, "--key-period", "0.2")
     assert s["bench"] == "play" and s["model"] == "v2-1.3b" and s["window"] == [18, 6]
     assert s["frames_received"] == 61 and s["chunks"] >= 4 and len(s["chunk_s"]) == s["chunks"]
@@ -476,3 +476,8 @@ def test_bench_play(tmp_path):
     assert s["s_per_chunk"] == pytest.approx(sum(s["chunk_s"][1:]) / (s["chunks"] - 1), rel=1e-3)
     assert s["key_events_measured"] >= 1 and s["key_to_pixel_p50_s"] <= s["key_to_pixel_p95_s"]
     assert s["client_keys_seen"] >= 1
+    # paced: the figures as shown are there too
+    assert s["paced"] is True and s["pace_interval_s"] > 0 and s["shown_fps"] > 0
+    assert s["shown_keys_measured"] >= 1 and s["shown_key_to_pixel_p50_s"] <= s["shown_key_to_pixel_p95_s"]
+    assert s["shown_gap_p50_s"] <= s["shown_gap_max_s"] and s["client_gap_p50_s"] <= s["client_gap_max_s"]
+    assert 0 <= s["pace_delay_p50_s"] <= s["pace_delay_max_s"]

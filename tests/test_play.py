@@ -88,6 +88,10 @@ def test_play_three_chunks_follows_the_keys(fast_ckpt, image, monkeypatch):
         assert stats["frames"] == 33 and stats["chunks"] == 3 and stats["rollouts"] == 1
         # 4 key edges landed (W down, W up, right down, right up); the ignored key is not one of them
         assert stats["key_events_measured"] == 4
+        # each edge rides with the first frame of its latent frame (a pacing front end measures to its show)
+        keyed = [f for f in frames if f.keys]
+        assert sum(len(f.keys) for f in keyed) == 4 and frames[5].keys == (0.6,)  # W: latent frame 2
+        assert all(f.index == min(g.index for g in frames if g.latent == f.latent) for f in keyed)
         assert session._model.loads == 1
     finally:
         session.close()

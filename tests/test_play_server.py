@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import socket
 import threading
@@ -52,9 +53,10 @@ async def frames_until(ws, count, texts, timeout=600.0):
 
 
 def test_websocket_protocol(fast_ckpt, shipped_example):
-    """Frames come in order with their indices and poses; the controller's key reaches the session (hold mode:
-    W pressed after the first frame moves the camera forward from a later chunk on); a second client is a
-    viewer whose input is refused; /stats answers; closing the controller's socket ends the session."""
+    """Frames come in order with their indices and poses (paced); the controller's key reaches the session (hold
+    mode: W pressed after the first frame moves the camera forward from a later chunk on) and its key->pixel is
+    measured to the show time; a second client is a viewer whose input is refused; /stats answers; closing the
+    controller's socket ends the session."""
     server, thread, result = start_server(fast_ckpt, shipped_example)
     url = f"http://127.0.0.1:{server.port}"
 
@@ -98,6 +100,10 @@ def test_websocket_protocol(fast_ckpt, shipped_example):
     assert seen[0][0] >= 0 and stats["frames"] >= 1 and stats["ready"] is True
     assert any(t["type"] == "end" for t in rest)
     assert result["stats"]["key_events_measured"] == 1  # W; S came from the viewer, Z drives nothing
+    # the frames went through the pacer, which measured W's key->pixel to its frame's show time
+    assert result["stats"]["paced"] is True and result["stats"]["pace_interval_s"] > 0
+    assert result["stats"]["shown_keys_measured"] == 1 and result["stats"]["shown_key_to_pixel_p50_s"] > 0
+    assert any("shown_fps" in t for t in texts if t["type"] == "stats")
     assert server.session.closed and server.session._model is None
 
 
@@ -157,7 +163,9 @@ CHROME_FLAGS = (
 @pytest.mark.slow
 def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
     """Headless Chromium opens the page, W then the right arrow are pressed on the picture; frames arrive and
-    the page's camera log moves forward, then turns right."""
+    the page's camera log moves forward, then turns right; the HUD reports key->pixel (to the frame's show time:
+    the server paces the frames) and FPS as played, and the page's shown-frame count keeps growing. Prints the
+    page's figures (the issue's latency from the browser test)."""
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
@@ -187,8 +195,25 @@ def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
         WebDriverWait(driver, 600, 0.5).until(lambda d: log()[-1]["yaw"] > 5)
         entries = log()
         assert [e["index"] for e in entries] == sorted(e["index"] for e in entries)
+        stats = lambda: driver.execute_script("return window.playStats")  # noqa: E731
+        shown = lambda: driver.execute_script("return window.playShown")  # noqa: E731
+        WebDriverWait(driver, 600, 0.5).until(
+            lambda d: (
+                (stats().get("shown_key_to_pixel_p50_s") or 0) > 0 and (stats().get("shown_fps") or 0) > 0
+            )
+        )
+        before = shown()
+        WebDriverWait(driver, 600, 0.5).until(lambda d: shown() > before + 4)
         hud = driver.find_element(By.ID, "hud").text
-        assert "FPS as played" in hud and "key→pixel" in hud
+        key_ms = re.search(r"key→pixel\s+p50 (\d+) ms p95 (\d+) ms", hud)
+        assert key_ms and 0 < int(key_ms[1]) <= int(key_ms[2]), hud
+        fps = re.search(r"FPS as played ([\d.]+)", hud)
+        assert fps and float(fps[1]) > 0, hud
+        page = stats()
+        print(
+            f"browser: key->pixel (shown) p50 {key_ms[1]} ms p95 {key_ms[2]} ms over "
+            f"{page['shown_keys_measured']} events, FPS as played {fps[1]}, {shown()} frames shown"
+        )
     finally:
         driver.quit()
     thread.join(120)  # the tab is gone: the session ends

@@ -4,8 +4,11 @@ graph breaks, with two graphs for every block and chunk after, and equals the ea
 
 import pytest
 import torch
+from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
+from lingbot_world.session import chunked
 from lingbot_world.wan import speed
+from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.dit import WanModel, init_random_
 from lingbot_world.wan.fast import FastConfig, FastSession, generate_fast
 
@@ -101,6 +104,23 @@ def test_compile_is_refused_with_lean_activations_and_checked():
         FastSession(m, ctx, y, LAT, FastConfig(**WINDOW, compile=True), "cpu")
     with pytest.raises(ValueError, match="compile"):
         FastConfig(compile=1).validate()
+
+
+def test_front_ends_pass_compile_to_the_session_config():
+    parser = cli.build_parser()
+    for command in ("fast", "play"):
+        args = parser.parse_args(
+            [command, "--ckpt_dir", "m", "--image", "i.png", "--prompt", "p", "--compile"]
+        )
+        assert args.compile is True
+        assert (
+            parser.parse_args([command, "--ckpt_dir", "m", "--image", "i.png", "--prompt", "p"]).compile
+            is False
+        )
+    kind = CHUNKED_KINDS["v2-1.3b"]
+    for on in (False, True):
+        config, _ = chunked.settings(kind, 30, None, 0, None, None, "bf16", "0", None, compile=on)
+        assert config.compile is on
 
 
 @pytest.mark.slow

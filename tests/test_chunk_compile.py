@@ -137,3 +137,12 @@ def test_real_compile_of_the_chunk_loop_matches_eager(monkeypatch):
     # bf16 compute: a fused kernel may move values by a few bf16 ulps
     assert torch.allclose(got, want, rtol=0.05, atol=0.05)
     assert (got - want).abs().mean() < 0.01 * want.abs().mean()
+
+
+def test_set_context_applies_from_the_next_chunk():
+    m = model()
+    y, ctx, cam = inputs()
+    a, b = (FastSession(m, ctx, y, LAT, FastConfig(**WINDOW), "cpu") for _ in range(2))
+    assert torch.equal(a.next_chunk(cam[:, :, :3]), b.next_chunk(cam[:, :, :3]))
+    b.set_context(ctx + 1)  # the text's keys are made again from the new prompt
+    assert not torch.equal(a.next_chunk(cam[:, :, 3:6]), b.next_chunk(cam[:, :, 3:6]))

@@ -1122,6 +1122,12 @@ def add_parallel_args(p: argparse.ArgumentParser, command: str, heads: str) -> N
     )
 
 
+CHUNK_COMPILE_HELP = (
+    "torch.compile the DiT blocks once the attention window is full (the chunks before it run eagerly; a "
+    "window that never fills never compiles); the first compiled chunk is slower while it compiles"
+)
+
+
 def add_fast_args(p: argparse.ArgumentParser):
     p.add_argument(
         "--ckpt_dir",
@@ -1205,6 +1211,7 @@ def add_fast_args(p: argparse.ArgumentParser):
         "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
         "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
     )
+    p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
     )
@@ -1297,6 +1304,7 @@ def _run_fast(args, files, device, ranks, output) -> int:
         args.kv_dtype,
         args.swap_blocks,
         args.frame_num,
+        compile=args.compile,
     )
     image = load_image(args.image)
     size = plan_size(image.shape[1:], args.size)
@@ -1451,6 +1459,7 @@ def add_play_args(p: argparse.ArgumentParser):
     p.add_argument("--kv_dtype", choices=KV_DTYPES, default="bf16", help="attention cache dtype")
     p.add_argument("--swap_blocks", default="0", help="DiT blocks streamed from pinned host RAM")
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
+    p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument(
         "--t5_mode",
@@ -1482,6 +1491,7 @@ def run_play(args) -> int:
         local_attn_size=args.local_attn_size,
         sink_size=args.sink_size,
         kv_dtype=args.kv_dtype,
+        compile=args.compile,
         quantize=args.quantize or None,
         swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),

@@ -9,8 +9,11 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
   (as bench_speed): bf16 eager (the exact path), bf16 compiled, fp8 eager, fp8 compiled. Deviation of the
   step's latent and of one forward's flow prediction from the exact path (relative L2, max abs).
 - ``v2``: the chunk loop (`wan.fast.FastSession.next_chunk`: 4 steps + the commit forward) of the v2 1.3B and
-  14B at 464x832, chunk 4 latent frames, window 18 / sink 6 (the documented run), timed once the window is
-  full; bf16 then fp8 (eager: the chunk loop runs no compiled blocks); deviation of each chunk's latent.
+  14B at 464x832, chunk 4 latent frames, window 18 / sink 6 (the documented run), 8 chunks timed once the
+  window is full (the last 3); bf16 eager (the exact path), bf16 compiled (`FastConfig.compile`: the blocks
+  compile at the first chunk that evicts, chunk 4, and run compiled from then on), fp8 eager, fp8 compiled;
+  each chunk's 4 steps and its commit pass timed apart by CUDA events (no sync inside the loop); deviation of
+  the chunks' latents from the same precision's eager loop (compiled) and from bf16 (fp8).
 - floors: the step's kernels alone back to back (GEMMs at the real shapes with their biases, SDPA attention),
   in bf16 (`bench_speed.kernel_floor`'s sequence) and with the GEMMs as fp8 scaled matmuls on pre-quantized
   operands; plus the sustained dense GEMM rate of each precision measured here x the step's GEMM FLOPs.
@@ -22,12 +25,14 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
 
     python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
     python benchmarks/bench_fp8.py --scale full --skip v2-14b   # cases to leave out
+    python benchmarks/bench_fp8.py --scale full --skip base_cam attention v2-14b   # the v2 1.3B chunk loop alone
     python benchmarks/bench_fp8.py --scale tiny                 # CPU smoke run, seconds
 
 Prints one JSON line at the end.
 """
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -43,10 +48,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_speed import SHAPES, Step, kernel_floor, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
-from lingbot_world.wan import fp8  # noqa: E402
+from lingbot_world.wan import fp8, speed  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
+from lingbot_world.wan.pipeline import Hooks  # noqa: E402
 from lingbot_world.wan.speed import SpeedOptions, compiler_missing  # noqa: E402
 
 CHUNK_SHAPE = {"full": (464, 832), "tiny": (32, 48)}
@@ -238,6 +244,34 @@ def base_cam(args, device, rates) -> dict:
     return out
 
 
+class ChunkTimer(Hooks):
+    """Marks at each forward's start (`Hooks.check`) and at the chunk's end (`progress`): CUDA events on a GPU
+    (nothing waits inside the loop), host times on the CPU. `split()` after the chunk's sync: the seconds of its
+    4 denoising steps and of its commit pass (the last forward)."""
+
+    def __init__(self, device):
+        super().__init__(progress=lambda *_: self._mark())
+        self.cuda, self.marks = device.type == "cuda", []
+
+    def _mark(self):
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def check(self):
+        super().check()
+        self._mark()
+
+    def split(self) -> tuple[float, float]:
+        first, commit, end = self.marks[0], self.marks[-2], self.marks[-1]
+        self.marks = []
+        if self.cuda:
+            return first.elapsed_time(commit) / 1e3, commit.elapsed_time(end) / 1e3
+        return commit - first, end - commit
+
+
 def v2_case(kind_name, args, device, rates) -> dict:
     kind = CHUNKED_KINDS[kind_name]
     cfg = kind.dit if args.scale == "full" else tiny(kind.dit)
@@ -257,26 +291,49 @@ def v2_case(kind_name, args, device, rates) -> dict:
     frame_tokens = (lat_h // 2) * (lat_w // 2)
     out = {"chunk_frames": chunk, "window": config.local_attn_size, "sink": config.sink_size}
     out["q_tokens"], out["kv_tokens_when_full"] = chunk * frame_tokens, config.local_attn_size * frame_tokens
+    compile_issue = compiler_missing(device)
+    if device.type == "cpu" and not args.cpu_compile:
+        compile_issue = "CPU: inductor takes minutes to build; pass --cpu-compile"
     latents = {}
-    for name in ("bf16", "fp8"):
+    mean = lambda values: round(sum(values) / len(values), 4)  # noqa: E731
+    for name in ("bf16", "bf16_compiled", "fp8", "fp8_compiled"):
+        compiled = name.endswith("_compiled")
+        if compiled and compile_issue:
+            out[name] = {"skipped": compile_issue}
+            continue
         if name == "fp8":
             out["fp8_layers"] = to_fp8_(model)
-        session = FastSession(model, context, y, lat_shape, config, device)
-        times, xs = [], []
+        timer = ChunkTimer(device)
+        session = FastSession(
+            model, context, y, lat_shape, dataclasses.replace(config, compile=compiled), device, timer
+        )
+        times, steps, commits, xs = [], [], [], []
         for c in range(chunks):
             sync(device)
             t0 = time.perf_counter()
             xs.append(session.next_chunk(cams[c]))
             sync(device)
             times.append(time.perf_counter() - t0)
+            step_s, commit_s = timer.split()
+            steps.append(step_s)
+            commits.append(commit_s)
         session.close()
         latents[name] = xs
-        steady = times[WARM_CHUNKS:]
         out[name] = {
-            "chunk_s": round(sum(steady) / len(steady), 4),
+            "chunk_s": mean(times[WARM_CHUNKS:]),
+            "steps_s": mean(steps[WARM_CHUNKS:]),
+            "commit_s": mean(commits[WARM_CHUNKS:]),
             "chunks_s": [round(t, 4) for t in times],
+            "commits_s": [round(t, 4) for t in commits],
             "forwards_per_chunk": len(config.timestep_index) + 1,
         }
+        out[name]["commit_share"] = round(out[name]["commit_s"] / out[name]["chunk_s"], 3)
+        if compiled:
+            out[name]["compiled"] = not speed._chunk_blocks.failed
+            out[name]["compile_chunk_s"] = out[name]["chunks_s"][WARM_CHUNKS - 1]  # chunk 4 compiles
+            eager = name.removesuffix("_compiled")
+            out[name]["last_chunk_deviation_from_eager"] = deviation(xs[-1], latents[eager][-1])
+            out[f"{name}_over_{eager}"] = round(out[name]["chunk_s"] / out[eager]["chunk_s"], 3)
         if device.type == "cuda":
             out[name]["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
         print(f"{kind_name} {name}: {out[name]}", file=sys.stderr)
@@ -287,11 +344,13 @@ def v2_case(kind_name, args, device, rates) -> dict:
     forwards = out["bf16"]["forwards_per_chunk"]
     kv = min(out["kv_tokens_when_full"], out["q_tokens"] * chunks) or out["q_tokens"]
     out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates)
-    for prec in ("bf16", "fp8"):
-        out[f"{prec}_over_sustained_floor"] = round(
-            out[prec]["chunk_s"] / out["floor"][f"{prec}_sustained_s"], 3
-        )
+    for name in ("bf16", "bf16_compiled", "fp8", "fp8_compiled"):
+        if "chunk_s" in out[name]:
+            out[f"{name}_over_sustained_floor"] = round(
+                out[name]["chunk_s"] / out["floor"][f"{name.split('_')[0]}_sustained_s"], 3
+            )
     del model
+    torch._dynamo.reset()  # the compiled graphs' references to this model go with them
     return out
 
 

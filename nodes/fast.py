@@ -285,8 +285,9 @@ class LingBotFastSampler:
                 "speed": (
                     SPEED,
                     {
-                        "tooltip": "From LingBot Speed: its attention and fp8_linears apply here (compile, step "
-                        "cache and lean activations are the base-cam sampler's). Without it: the exact computation.",
+                        "tooltip": "From LingBot Speed: its attention, compile (once the window is full) and "
+                        "fp8_linears apply here (step cache and lean activations are the base-cam sampler's). "
+                        "Without it: the exact computation.",
                     },
                 ),
             },
@@ -326,9 +327,9 @@ class LingBotFastSampler:
         speed=None,
     ):
         speed = speed or SpeedOptions()
-        if speed.compile or speed.cache is not None or speed.lean_activations is True:
+        if speed.cache is not None or speed.lean_activations is True:
             raise ValueError(
-                "speed: the Fast sampler takes attention and fp8_linears from LingBot Speed; turn off compile, "
+                "speed: the Fast sampler takes attention, compile and fp8_linears from LingBot Speed; turn off "
                 "step_cache and lean_activations there (they are the base-cam sampler's)"
             )
         attention.resolve(speed.attention)  # a missing backend's package is named before any work
@@ -351,6 +352,7 @@ class LingBotFastSampler:
             kv_dtype,
             model.swap_blocks,
             length,
+            compile=speed.compile,
         )
         chunk = config.chunk_frames
         sizing = (

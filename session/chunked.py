@@ -47,10 +47,11 @@ def settings(
     kv_dtype: str,
     swap_blocks,
     frame_num: int | None,
+    compile: bool = False,
 ) -> tuple[FastConfig, int]:
     """(checked FastConfig of the model kind, blocks swapped); the frame count (None: the default) checked
     against the kind's chunk and RoPE table."""
-    config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind)
+    config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
     swap = resolve_swap_blocks(swap_blocks, num_layers)
     fast_latent_frames(fast_run.DEFAULT_FRAMES if frame_num is None else frame_num, kind.chunk_frames)
     return config, swap

@@ -78,6 +78,7 @@ class PlaySession:
         local_attn_size: int | None = None,
         sink_size: int | None = None,
         kv_dtype: str = "bf16",
+        compile: bool = False,
         quantize: bool | None = None,
         swap: int = 0,
         tile=None,
@@ -102,7 +103,7 @@ class PlaySession:
         control = files.config.control_type
         if control != "cam":
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
-        self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind)
+        self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
         self.files, self.device = files, torch.device(device)
         self.quantize, self.swap, self.tile, self.area = quantize, swap, tile, area
         self.vae_dtype, self._decode_dtype = vae_dtype, decode_dtype(vae_dtype, self.device)

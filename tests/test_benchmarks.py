@@ -436,6 +436,12 @@ def test_bench_fp8(tmp_path):
         assert len(v2["bf16"]["chunks_s"]) == len(v2["fp8"]["chunks_s"]) == 8
         assert v2["bf16"]["forwards_per_chunk"] == 5
         assert 0 < v2["fp8"]["first_chunk_deviation"]["rel_l2"] < 0.2
+        for name in ("bf16", "fp8"):  # the commit pass timed apart: a share of the chunk
+            assert (
+                0 < v2[name]["commit_s"] < v2[name]["chunk_s"]
+                and 0 < v2[name]["steps_s"] < v2[name]["chunk_s"]
+            )
+            assert v2[f"{name}_compiled"]["skipped"].startswith("CPU")
         assert v2["fp8_over_bf16"] == pytest.approx(v2["fp8"]["chunk_s"] / v2["bf16"]["chunk_s"], rel=1e-2)
     attn = s["attention"]
     assert set(attn["packages"]) == {"flash_attn", "flash_attn_interface", "flashinfer", "sageattention"}

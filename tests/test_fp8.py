@@ -253,9 +253,9 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
     fast_settings = ("max_area", "64*112", 832, 480, 21, 5, 10.0, 3, 0, "bf16")
     with pytest.raises(ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU"):
         nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=speed)
-    (compiled,) = nodes.LingBotSpeed().options("sdpa", True, "none", 0.05, 7, 1)
-    with pytest.raises(ValueError, match="speed: the Fast sampler takes attention and fp8_linears"):
-        nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=compiled)
+    (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
+    with pytest.raises(ValueError, match="speed: the Fast sampler takes attention, compile and fp8_linears"):
+        nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=cached)
 
 
 class TinyRun:

@@ -577,14 +577,17 @@ class WanModel(nn.Module):
             seq_len=seq_len,
         )
 
-    def forward_tokens(self, x, y, t, context, cam_tokens, start_frame=0, kv=BIDIRECTIONAL, seq_len=None):
+    def forward_tokens(
+        self, x, y, t, context, cam_tokens, start_frame=0, kv=BIDIRECTIONAL, seq_len=None, runner=None
+    ):
         """The prediction from embedded inputs: the one forward of the bidirectional experts (`forward`) and of
         the chunked models (`wan.fast`, one chunk at a time).
 
         x, y: latent and i2v condition [16 | 20, F, H, W]; t: timestep tensor; context: embedded text
         [text_len, dim] (`embed_text`; None when `kv` keeps the text's keys from an earlier forward);
         cam_tokens: `embed_camera` of the camera [F*H*W/4, dim] or None; start_frame: the latent frame the
-        tokens start at (RoPE); kv: the attention's keys (`Bidirectional`, or `wan.fast.ChunkCausal`).
+        tokens start at (RoPE); kv: the attention's keys (`Bidirectional`, or `wan.fast.ChunkCausal`); runner:
+        this forward's block runner (None: the model's `block_runner`).
         Patch embedding, RoPE, the blocks (block swap, compiled runner, lean, sequence parallel), head and
         unpatchify run here once for every model kind.
         """
@@ -608,7 +611,7 @@ class WanModel(nn.Module):
                 "lat_f/lat_h/lat_w must match the latent"
             )
         freqs = self._rope(x.device, start_frame)
-        run, swap, sp = self.block_runner, self.block_swap, self.sequence_parallel
+        run, swap, sp = runner or self.block_runner, self.block_swap, self.sequence_parallel
         # compiled blocks get RoPE as real (cos, sin) pairs; a runner that fell back runs the complex table
         run_freqs = (
             rope_table(grid, freqs) if run is not None and not getattr(run, "failed", False) else freqs

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import i2v
+from . import i2v, speed
 from .config import (
     NUM_TRAIN_TIMESTEPS,
     PATCH_SIZE,
@@ -98,6 +98,7 @@ class FastConfig:
     sink_size: int = 0  # latent frames at the start the window never evicts (needs a window)
     kv_dtype: torch.dtype | None = None  # None: the model's compute dtype
     chunk_frames: int = CHUNK_FRAMES  # latent frames per chunk
+    compile: bool = False  # compiled blocks once the window is full (`ChunkBlocks`); off: the exact loop
 
     @classmethod
     def for_kind(cls, kind: ChunkedKind, **settings) -> "FastConfig":
@@ -151,6 +152,8 @@ class FastConfig:
                 f"local_attn_size: must leave room for a {chunk}-frame chunk after the "
                 f"{self.sink_size}-frame sink (>= sink_size + {chunk} = {self.sink_size + chunk}), got {local}"
             )
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile: expected True or False, got {self.compile!r}")
         kv = self.kv_dtype
         if kv is not None and (not isinstance(kv, torch.dtype) or not kv.is_floating_point):
             raise ValueError(f"kv_dtype: expected None or a floating torch.dtype, got {kv!r}")
@@ -184,10 +187,11 @@ class SelfKVCache:
     """Per-layer self-attention keys and values [tokens, heads, head_dim] with upstream's indices.
 
     `global_end`: token end of the latest chunk in the whole clip; `local_end`: where it ends in the
-    cache. `write(layer, k, v, start)` places a chunk whose clip tokens start at `start` (the same
-    placement for every layer: a new chunk that overflows rolls the cache first) and returns what its
-    queries attend to, cache[max(0, end - size):end], in `compute_dtype`. `advance(start, n)` records
-    the chunk's end once every layer was written.
+    cache. `begin(start, n)` places a chunk whose clip tokens start at `start`, once per chunk (the same
+    placement for every layer and forward: a new chunk that overflows rolls the cache first);
+    `write(layer, k, v)` then stores a layer's keys in the chunk's slots and returns what its queries
+    attend to, cache[:end], in `compute_dtype`. The placement is plain integers, fixed per chunk and the
+    same for every chunk once the window is full: a compiled block sees constants, no host sync.
     """
 
     def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, compute_dtype, device):
@@ -198,6 +202,8 @@ class SelfKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.global_end = 0
         self.local_end = 0
+        self.span = (0, 0)  # token slots [a, b) of the chunk being made (`begin`)
+        self.rolled = False  # a chunk evicted: every later chunk has the same placement (the window is full)
         self._limit = torch.finfo(dtype).max if dtype.itemsize == 1 else None  # fp8: no inf, saturate
 
     def placement(self, start: int, n: int) -> tuple[int, int]:
@@ -213,21 +219,37 @@ class SelfKVCache:
             t = t.clamp(-self._limit, self._limit)
         return t.to(self.dtype)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
-        n = k.shape[0]
+    def begin(self, start: int, n: int) -> None:
+        """Place a chunk of n tokens at clip token `start`, once for all its forwards and layers (the placement is
+        the same for each): a chunk that overflows rolls every layer's cache first; `span` is then its slots."""
         evicted, local_end = self.placement(start, n)
         if local_end - n < 0 or local_end > self.size:
             raise RuntimeError(
                 f"KV cache placement out of range: {local_end - n}..{local_end} of {self.size}"
             )
-        for cache, new in ((self.k[layer], k), (self.v[layer], v)):
-            if evicted:
-                keep = self.local_end - evicted - self.sink
-                src = self.sink + evicted
+        if evicted:
+            keep = self.local_end - evicted - self.sink
+            src = self.sink + evicted
+            for cache in self.k + self.v:
                 cache[self.sink : self.sink + keep] = cache[src : src + keep].clone()
-            cache[local_end - n : local_end] = self._store(new)
-        lo = max(0, local_end - self.size)
-        k_att, v_att = self.k[layer][lo:local_end], self.v[layer][lo:local_end]
+            self.rolled = True
+        self.global_end, self.local_end = start + n, local_end
+        self.span = (local_end - n, local_end)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None):
+        """`store` into layer `layer`; `start` given: `begin` the chunk there first (a no-op for its later
+        forwards and layers)."""
+        if start is not None:
+            self.begin(start, k.shape[0])
+        return self.store(self.k[layer], self.v[layer], k, v)
+
+    def store(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write a chunk's keys and values into one layer's cache at `span`; returns what its queries attend to,
+        the cache up to the chunk's end, in `compute_dtype`."""
+        a, b = self.span
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            cache[a:b] = self._store(new)
+        k_att, v_att = k_cache[:b], v_cache[:b]
         if self.dtype != self.compute_dtype:
             k_att, v_att = k_att.to(self.compute_dtype), v_att.to(self.compute_dtype)
         return k_att, v_att
@@ -248,16 +270,52 @@ class ChunkCausal(Bidirectional):
 
     def __init__(self, cache: SelfKVCache, num_layers: int):
         self.cache = cache
-        self.start = 0  # clip token where the chunk of the forward now running starts
         self.text: list = [None] * num_layers
 
     def self_kv(self, layer, k, v):
-        return self.cache.write(layer, k, v, self.start)
+        return self.cache.write(layer, k, v)
 
     def text_kv(self, layer, cross, context, dtype):
         if self.text[layer] is None:
             self.text[layer] = cross.context_kv(context, dtype)
         return self.text[layer]
+
+    def layer(self, i: int) -> "LayerKeys":
+        """Block i's keys alone (its cache tensors and text keys, once the text's keys exist)."""
+        return LayerKeys(self.cache, self.cache.k[i], self.cache.v[i], self.text[i])
+
+
+class LayerKeys(Bidirectional):
+    """One block's chunk-causal keys: what a compiled block gets (`ChunkBlocks`) instead of a layer index and
+    the whole `ChunkCausal`, so one graph serves every block (an index would be a constant of the graph).
+    Its methods ignore the layer argument."""
+
+    def __init__(self, cache: SelfKVCache, k: torch.Tensor, v: torch.Tensor, text):
+        self.cache, self.k, self.v, self.text = cache, k, v, text
+
+    def self_kv(self, layer, k, v):
+        return self.cache.store(self.k, self.v, k, v)
+
+    def text_kv(self, layer, cross, context, dtype):
+        return self.text
+
+
+class ChunkBlocks:
+    """The chunk loop's compiled block runner: `speed.CompiledBlocks` of `speed.run_chunk_block`, given each
+    block's `LayerKeys`. Shapes are fixed once the window is full; `FastSession` runs the chunks before that
+    eagerly (their key lengths grow chunk by chunk), so the graphs are traced once, at the first chunk that
+    evicts, and never again: two (a bf16 residual stream into block 0, fp32 after)."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    @property
+    def failed(self) -> bool:
+        return self.blocks.failed
+
+    def __call__(self, block, *args):
+        *args, layer, kv = args
+        return self.blocks(block, *args, kv.layer(layer))
 
 
 class FastSession:
@@ -326,6 +384,11 @@ class FastSession:
         timesteps, sigmas = sampling_sigmas(NUM_TRAIN_TIMESTEPS, config.shift)
         self._timesteps, self._sigmas = timesteps, sigmas
         self.timesteps = [timesteps[i] for i in config.timestep_index]
+        # the schedule's per-step values, looked up once (on the CPU) and put on the device: the loop syncs nothing
+        steps = self.timesteps
+        self._t = [t.reshape(1).to(self.device) for t in (*steps, steps[-1] * 0.0)]  # the commit's last
+        self._sigma0 = [self._sigma_x0(t).to(self.device) for t in steps]
+        self._sigma_next = [self._sigma_noise(t).to(self.device) for t in steps[1:]]
 
         dtype = model.compute_dtype
         blk = model.blocks[0].self_attn
@@ -340,6 +403,14 @@ class FastSession:
             self.device,
         )
         self._kv = ChunkCausal(self._cache, len(model.blocks))
+        self._runner = None
+        if config.compile:
+            if sp is not None:
+                raise ValueError("compile: not with sequence parallel (the all-to-all inside self-attention)")
+            if getattr(model, "lean_activations", False):
+                raise ValueError("compile: the lean blocks do not run compiled; turn off lean_activations")
+            blocks = speed.chunk_block_runner(self.device)
+            self._runner = None if blocks is None else ChunkBlocks(blocks)
         self._chunks: list[torch.Tensor] = []
         self._closed = False
 
@@ -357,24 +428,17 @@ class FastSession:
     # --- the causal forward ---------------------------------------------------------------------
 
     def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam_tokens) -> torch.Tensor:
-        """One forward of chunk `chunk` at timestep t (`cam_tokens`: the chunk's, the same for all its forwards):
-        the model's one forward with RoPE from the chunk's first frame and the chunk-causal keys."""
+        """One forward of chunk `chunk` (placed in the cache by `SelfKVCache.begin`) at timestep t [1] on the
+        device (`cam_tokens`: the chunk's, the same for all its forwards): the model's one forward with RoPE
+        from the chunk's first frame and the chunk-causal keys. Compiled blocks (`FastConfig.compile`) run once
+        the window is full and the text's keys exist."""
         m, kv = self.model, self._kv
-        kv.start = chunk * self.chunk * self.frame_seqlen
-        context = (
-            m.embed_text(self._context) if kv.text[0] is None else None
-        )  # first forward: the text's keys
-        flow = m.forward_tokens(
-            latent,
-            self._y[chunk],
-            t.reshape(1).to(self.device),
-            context,
-            cam_tokens,
-            start_frame=chunk * self.chunk,
-            kv=kv,
+        first = kv.text[-1] is None  # the first forward (or the first after set_context): the text's keys
+        context = m.embed_text(self._context) if first else None
+        run = self._runner if self._runner is not None and self._cache.rolled and not first else None
+        return m.forward_tokens(
+            latent, self._y[chunk], t, context, cam_tokens, start_frame=chunk * self.chunk, kv=kv, runner=run
         )
-        self._cache.advance(kv.start, self.chunk * self.frame_seqlen)
-        return flow
 
     # --- the chunk loop -------------------------------------------------------------------------
 
@@ -408,19 +472,21 @@ class FastSession:
             m = self.model
             cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
             latent = self._noise[k]
-            steps = self.timesteps
-            for j, t in enumerate(steps):
+            steps = len(self.timesteps)
+            n = self.chunk * self.frame_seqlen
+            self._cache.begin(k * n, n)  # the chunk's cache slots, for all its forwards and layers
+            for j in range(steps):
                 self.hooks.check()
-                flow = self._forward(latent, t, k, cam_tokens)
-                x0 = (latent.double() - self._sigma_x0(t) * flow.double()).to(flow.dtype)
-                if j == len(steps) - 1:
+                flow = self._forward(latent, self._t[j], k, cam_tokens)
+                x0 = (latent.double() - self._sigma0[j] * flow.double()).to(flow.dtype)
+                if j == steps - 1:
                     break
-                sigma = self._sigma_noise(steps[j + 1]).to(self.device)
+                sigma = self._sigma_next[j]
                 eps = torch.randn(x0.shape, generator=self.generator, device=self.device, dtype=x0.dtype)
                 latent = (1 - sigma) * x0 + sigma * eps
             self.hooks.check()
             if not self._skip_commit:
-                self._forward(x0, steps[-1] * 0.0, k, cam_tokens)  # output discarded: refreshes the cache
+                self._forward(x0, self._t[-1], k, cam_tokens)  # output discarded: refreshes the cache
             self._noise[k] = None
         except BaseException:
             self.close()
@@ -462,8 +528,7 @@ class FastSession:
             got = list(context.shape) if isinstance(context, torch.Tensor) else type(context).__name__
             raise ValueError(f"context: expected [tokens <= {self.model.text_len}, text_dim], got {got}")
         self._context = context.to(self.device)
-        self._cross = [None] * len(self.model.blocks)
-        self._text_emb = None
+        self._kv.text = [None] * len(self.model.blocks)
 
     def latent(self) -> torch.Tensor:
         """The finished chunks concatenated [16, chunk * done, lat_h, lat_w]."""

@@ -128,6 +128,12 @@ def run_block(block, *args):
     return block(*args)
 
 
+def run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys):
+    """The chunk loop's compiled function (its own graphs and recompile budget): a DiT block with one block's
+    chunk-causal keys (`wan.fast.LayerKeys`, which reads no layer index)."""
+    return block(x, e0, grid, freqs, context, cam, dtype, 0, keys)
+
+
 def compiler_missing(device: torch.device) -> str | None:
     """Why torch.compile's default backend cannot build kernels for `device`, or None if it can."""
     if not hasattr(torch, "compile"):
@@ -151,8 +157,9 @@ class CompiledBlocks:
     tensor is given, so a run traces at most a handful, all in its first forward. If the backend
     compiler fails, logs one line and runs the blocks eagerly from then on."""
 
-    def __init__(self, backend="inductor"):
-        self.compiled = torch.compile(run_block, backend=backend, dynamic=False)
+    def __init__(self, backend="inductor", fn=run_block):
+        self.fn = fn
+        self.compiled = torch.compile(fn, backend=backend, dynamic=False)
         self.failed = False
 
     def __call__(self, block, *args):
@@ -168,10 +175,11 @@ class CompiledBlocks:
                     type(cause).__name__,
                     text[:300],
                 )
-        return block(*args)
+        return self.fn(block, *args)
 
 
 _compiled_blocks: CompiledBlocks | None = None
+_chunk_blocks: CompiledBlocks | None = None
 
 
 def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
@@ -187,6 +195,19 @@ def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
     if _compiled_blocks is None or _compiled_blocks.failed:
         _compiled_blocks = CompiledBlocks()
     return _compiled_blocks
+
+
+def chunk_block_runner(device) -> CompiledBlocks | None:
+    """The chunk loop's shared compiled runner of `run_chunk_block` (`wan.fast.FastConfig.compile`), or None
+    (eager) with one log line when the compiler is unavailable."""
+    global _chunk_blocks
+    reason = compiler_missing(torch.device(device))
+    if reason is not None:
+        log.warning("compile requested but unavailable: %s; running the DiT blocks eagerly", reason)
+        return None
+    if _chunk_blocks is None or _chunk_blocks.failed:
+        _chunk_blocks = CompiledBlocks(fn=run_chunk_block)
+    return _chunk_blocks
 
 
 def check_fp8_loaded(model: torch.nn.Module, options: SpeedOptions) -> None:

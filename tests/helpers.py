@@ -1,7 +1,8 @@
 """Helpers shared by several test files (tests import them from here, never from another test file):
-CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example, the
-block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks (arguments, a linked checkpoint
-copy, the one-error check), a kohya LoRA file, a Fast session's forward recorder and a process-exit wait."""
+CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example and the
+Fast sampler call, the block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks
+(arguments, a linked checkpoint copy, the one-error check), a kohya LoRA file, a Fast session's forward
+recorder and a process-exit wait."""
 
 import contextlib
 import os
@@ -95,6 +96,18 @@ def node_inputs(nodes, example):
     with Image.open(example / "image.jpg") as img:
         image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
     return text, vae, camera, image
+
+
+NODE_SIZE = ("max_area", "64*112", 832, 480)  # the samplers' size inputs: at most 64*112 pixels
+
+
+def fast_sample(
+    nodes, model, vae, image, length=21, seed=5, shift=10.0, window=3, sink=0, kv="bf16", **inputs
+):
+    """The Fast sampler node's `sample` at NODE_SIZE (`inputs`: camera, text, speed)."""
+    return nodes.LingBotFastSampler().sample(
+        model, vae, image, *NODE_SIZE, length, seed, shift, window, sink, kv, **inputs
+    )
 
 
 def load_nf4(path, device="cpu"):

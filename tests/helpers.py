@@ -2,10 +2,11 @@
 CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example and the
 Fast sampler call, the block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks
 (arguments, a linked checkpoint copy, the one-error check), a kohya LoRA file, a Fast session's forward
-recorder and a process-exit wait."""
+recorder, a process-exit wait and a headless Chromium."""
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 import torch
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
@@ -308,3 +310,34 @@ def check_torchrun_cli_equals_one_process(argv, folder: Path, frames: int) -> No
     one, two = load_file(folder / "one.latent"), load_file(folder / "two.latent")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-3)
+
+
+@contextlib.contextmanager
+def headless_chromium(profile: Path):
+    """A selenium driver of headless Chromium (its profile in `profile`), quit on leaving; skips the test
+    where selenium, chromium or chromedriver is missing."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip(
+            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        yield driver
+    finally:
+        driver.quit()

@@ -3,14 +3,13 @@
 import asyncio
 import contextlib
 import json
-import shutil
 import socket
 import threading
 
 import aiohttp
 import numpy as np
 import pytest
-from helpers import fast_args
+from helpers import fast_args, headless_chromium
 from lingbot_world import cli
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
 from lingbot_world.session import play, play_server
@@ -143,40 +142,17 @@ def test_record_needs_a_free_name(fast_ckpt, shipped_example, tmp_path, capsys, 
     assert "exists" in capsys.readouterr().err and taken.read_bytes() == b"x"
 
 
-CHROME_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-)
-
-
 @pytest.mark.slow
 def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
     """Headless Chromium opens the page, W then the right arrow are pressed on the picture; frames arrive and
     the page's camera log moves forward, then turns right."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if not chromium or not driver_path:
-        pytest.skip(
-            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
-        )
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import WebDriverWait
+    with headless_chromium(tmp_path / "chrome") as driver:
+        from selenium.webdriver.common.action_chains import ActionChains
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
+        from selenium.webdriver.support.ui import WebDriverWait
 
-    server, thread, result = start_server(fast_ckpt, shipped_example)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (*CHROME_FLAGS, f"--user-data-dir={tmp_path / 'chrome'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
-    try:
+        server, thread, result = start_server(fast_ckpt, shipped_example)
         driver.get(server.url)
         log = lambda: driver.execute_script("return window.playLog")  # noqa: E731
         WebDriverWait(driver, 600).until(lambda d: len(log()) >= 1)
@@ -189,8 +165,6 @@ def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
         assert [e["index"] for e in entries] == sorted(e["index"] for e in entries)
         hud = driver.find_element(By.ID, "hud").text
         assert "FPS as played" in hud and "key→pixel" in hud
-    finally:
-        driver.quit()
     thread.join(120)  # the tab is gone: the session ends
     assert not thread.is_alive() and "error" not in result
     assert result["stats"]["key_events_measured"] >= 2

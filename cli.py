@@ -257,13 +257,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         help="with --quantize on bf16/fp32 experts: merge the LoRAs into the weights before quantizing "
         "(no side path at run time; changing them needs a reload)",
     )
-    p.add_argument(
-        "--t5_mode",
-        choices=["subprocess", "inprocess"],
-        default="subprocess",
-        help="run the text encoder in a child process that exits afterwards (default), or in this one",
-    )
-    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
+    add_text_encoder_args(p)
     p.add_argument(
         "--t5_overlap",
         choices=["auto", "on", "off"],
@@ -342,6 +336,16 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         type=Path,
         help="also save the final latent for ComfyUI's Load Latent node (.latent, safetensors)",
     )
+
+
+def add_text_encoder_args(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--t5_mode",
+        choices=["subprocess", "inprocess"],
+        default="subprocess",
+        help="run the text encoder in a child process that exits afterwards (default), or in this one",
+    )
+    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
 
 
 def add_vae_dtype_arg(p: argparse.ArgumentParser):
@@ -1160,13 +1164,7 @@ def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
     )
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument(
-        "--t5_mode",
-        choices=["subprocess", "inprocess"],
-        default="subprocess",
-        help="run the text encoder in a child process that exits afterwards (default), or in this one",
-    )
-    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
+    add_text_encoder_args(p)
     p.add_argument(
         "--vae_tile",
         default=vae_tile,

@@ -1,7 +1,7 @@
 """Helpers shared by several test files (tests import them from here, never from another test file):
 CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example and the
 Fast sampler call, the block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks
-(arguments, a linked checkpoint copy, the one-error check), a kohya LoRA file, a Fast session's forward
+(arguments, a linked checkpoint copy, the one-error check), a kohya LoRA file, a compiled-blocks graph counter, a Fast session's forward
 recorder, a process-exit wait and a headless Chromium."""
 
 import contextlib
@@ -243,6 +243,19 @@ def tiny_lora(path, config, seed=0, rank=2):
         tensors[f"lora_unet_{name}.alpha"] = torch.tensor(float(rank))
     save_file(tensors, str(path))
     return path
+
+
+def counting_blocks():
+    """(a `speed.CompiledBlocks` whose backend runs each traced graph as is, the list of graphs it traced)."""
+    from lingbot_world.wan import speed
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return speed.CompiledBlocks(backend=counting_backend), graphs
 
 
 def record_forwards(session: FastSession) -> list:

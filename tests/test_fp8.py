@@ -5,7 +5,15 @@ import json
 
 import pytest
 import torch
-from helpers import NODE_SIZE, args_for, expect_clear_error, fast_args, fast_sample, node_inputs
+from helpers import (
+    NODE_SIZE,
+    args_for,
+    counting_blocks,
+    expect_clear_error,
+    fast_args,
+    fast_sample,
+    node_inputs,
+)
 from lingbot_world import cli
 from lingbot_world.loaders import quantize as quantize_mod
 from lingbot_world.loaders import stream, synthetic
@@ -306,16 +314,8 @@ def rel_l2(a, b):
 def test_fp8_blocks_trace_without_graph_breaks():
     """The compiled block runner traces fp8 blocks into the same two graphs as bf16 ones (no graph break at
     the scaled matmul or the per-token quantization), and runs them to the eager values."""
-    from lingbot_world.wan import speed
-
     run = TinyRun(layers=3)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    runner = speed.CompiledBlocks(backend=counting_backend)
+    runner, graphs = counting_blocks()
     eager = run.forward()
     run.model.block_runner = runner
     try:

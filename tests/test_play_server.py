@@ -53,7 +53,8 @@ async def frames_until(ws, count, texts, timeout=600.0):
 def test_websocket_protocol(fast_ckpt, shipped_example):
     """Frames come in order with their indices and poses; the controller's key reaches the session (hold mode:
     W pressed after the first frame moves the camera forward from a later chunk on); a second client is a
-    viewer whose input is refused; /stats answers; closing the controller's socket ends the session."""
+    viewer whose input is refused; /play_client.js and /stats answer; closing the controller's socket ends
+    the session."""
     server, thread, result = start_server(fast_ckpt, shipped_example)
     url = f"http://127.0.0.1:{server.port}"
 
@@ -61,6 +62,9 @@ def test_websocket_protocol(fast_ckpt, shipped_example):
         async with aiohttp.ClientSession() as http:
             page = await http.get(url + "/")
             assert page.status == 200 and "LingBot-World Play" in await page.text()
+            module = await http.get(url + "/play_client.js")  # the page's script, shared with ComfyUI's panel
+            assert module.status == 200 and "javascript" in module.content_type
+            assert "export function readFrame" in await module.text()
             ctl = await http.ws_connect(url + "/ws")
             hello = json.loads((await ctl.receive(timeout=60)).data)
             assert hello["type"] == "hello" and hello["role"] == "control" and hello["mode"] == "hold"

@@ -257,13 +257,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         help="with --quantize on bf16/fp32 experts: merge the LoRAs into the weights before quantizing "
         "(no side path at run time; changing them needs a reload)",
     )
-    p.add_argument(
-        "--t5_mode",
-        choices=["subprocess", "inprocess"],
-        default="subprocess",
-        help="run the text encoder in a child process that exits afterwards (default), or in this one",
-    )
-    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
+    add_text_encoder_args(p)
     p.add_argument(
         "--t5_overlap",
         choices=["auto", "on", "off"],
@@ -342,6 +336,16 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
         type=Path,
         help="also save the final latent for ComfyUI's Load Latent node (.latent, safetensors)",
     )
+
+
+def add_text_encoder_args(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--t5_mode",
+        choices=["subprocess", "inprocess"],
+        default="subprocess",
+        help="run the text encoder in a child process that exits afterwards (default), or in this one",
+    )
+    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
 
 
 def add_vae_dtype_arg(p: argparse.ArgumentParser):
@@ -1128,7 +1132,8 @@ CHUNK_COMPILE_HELP = (
 )
 
 
-def add_fast_args(p: argparse.ArgumentParser):
+def add_chunked_model_args(p: argparse.ArgumentParser):
+    """The checkpoint flags of the chunked models' commands (`fast`, `play`)."""
     p.add_argument(
         "--ckpt_dir",
         type=Path,
@@ -1148,6 +1153,35 @@ def add_fast_args(p: argparse.ArgumentParser):
         help="folder with the text encoder, tokenizer and VAE when --ckpt_dir lacks them (the v2 1.3B: "
         "the v2 14B folder)",
     )
+
+
+def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
+    """The cache, memory, device and encoder flags of the chunked models' commands (`fast`, `play`)."""
+    p.add_argument(
+        "--kv_dtype",
+        choices=KV_DTYPES,
+        default="bf16",
+        help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy",
+    )
+    p.add_argument(
+        "--swap_blocks",
+        default="0",
+        help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = all)",
+    )
+    p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
+    p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
+    add_text_encoder_args(p)
+    p.add_argument(
+        "--vae_tile",
+        default=vae_tile,
+        help=f"VAE tiles: 'auto', 'none' or H,W in latent pixels (default {vae_tile})",
+    )
+    add_vae_dtype_arg(p)
+
+
+def add_fast_args(p: argparse.ArgumentParser):
+    add_chunked_model_args(p)
     p.add_argument("--image", type=Path, required=True, help="the first frame")
     p.add_argument(
         "--prompt", type=utf8_text, required=True, help="no negative prompt: Fast runs without CFG"
@@ -1192,18 +1226,7 @@ def add_fast_args(p: argparse.ArgumentParser):
         help="latent frames at the start the window never evicts (needs a --local_attn_size window; "
         "default: the model's; v1 Fast 0, v2 6)",
     )
-    p.add_argument(
-        "--kv_dtype",
-        choices=KV_DTYPES,
-        default="bf16",
-        help="attention cache dtype: fp8 (float8 e4m3) halves it, at some cost in accuracy",
-    )
-    p.add_argument(
-        "--swap_blocks",
-        default="0",
-        help="DiT blocks kept in pinned host RAM and streamed to the GPU (0..num_layers, 'auto' = all)",
-    )
-    p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
+    add_chunked_runtime_args(p, vae_tile="auto")
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -1211,22 +1234,11 @@ def add_fast_args(p: argparse.ArgumentParser):
         "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
         "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
     )
-    p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
     )
     p.add_argument("--frames_dir", type=Path, help="also write each chunk's frames as PNGs here as they come")
     p.add_argument("--overwrite", action="store_true", help="replace --output (and --frames_dir PNGs)")
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument(
-        "--t5_mode",
-        choices=["subprocess", "inprocess"],
-        default="subprocess",
-        help="run the text encoder in a child process that exits afterwards (default), or in this one",
-    )
-    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
-    p.add_argument("--vae_tile", default="auto", help="VAE tiles: 'auto', 'none' or H,W in latent pixels")
-    add_vae_dtype_arg(p)
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
     p.add_argument("--save_latent", type=Path, help="also save the latent for ComfyUI's Load Latent node")
     add_parallel_args(p, "fast", "the model's heads: 40 for v1 Fast and the v2 14B, 12 for the v2 1.3B")
@@ -1399,14 +1411,7 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
     latent, made = chunked.run_files(
         files,
         args.prompt,
-        image,
-        size,
-        frames,
-        config,
-        cameras,
-        device,
-        hooks,
-        on_chunk,
+        chunked.Chunks(image, size, frames, config, cameras, device, hooks, on_chunk),
         t5_mode=args.t5_mode,
         t5_device="cpu" if args.t5_cpu else str(device),
         quantize=load_quantize(args),
@@ -1437,9 +1442,7 @@ frame; out_camera_2/ ... for later rollouts), which `generate` and `fast` replay
 
 
 def add_play_args(p: argparse.ArgumentParser):
-    p.add_argument("--ckpt_dir", type=Path, required=True, help="as for `fast`: v1 Fast, v2 14B or v2 1.3B")
-    p.add_argument("--model", choices=("auto", *CHUNKED_KINDS), default="auto", help="as for `fast`")
-    p.add_argument("--assets_dir", type=Path, help="text encoder, tokenizer and VAE (the v2 1.3B)")
+    add_chunked_model_args(p)
     p.add_argument("--image", type=Path, required=True, help="the first frame (and every restart's)")
     p.add_argument("--prompt", type=utf8_text, required=True, help="the scene (changeable from the page)")
     p.add_argument("--port", type=int, default=8765, help="TCP port of the page (default 8765)")
@@ -1456,20 +1459,7 @@ def add_play_args(p: argparse.ArgumentParser):
     p.add_argument("--sample_shift", type=float, help="timestep shift (default: the model's)")
     p.add_argument("--local_attn_size", type=int, help="attention window in latent frames, sink included")
     p.add_argument("--sink_size", type=int, help="latent frames at the start the window keeps")
-    p.add_argument("--kv_dtype", choices=KV_DTYPES, default="bf16", help="attention cache dtype")
-    p.add_argument("--swap_blocks", default="0", help="DiT blocks streamed from pinned host RAM")
-    p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
-    p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument(
-        "--t5_mode",
-        choices=["subprocess", "inprocess"],
-        default="subprocess",
-        help="text encoder in a child process (default) or in this one",
-    )
-    p.add_argument("--t5_cpu", action="store_true", help="run the text encoder on the CPU")
-    p.add_argument("--vae_tile", default="none", help="VAE tiles: 'none' (default), 'auto' or H,W")
-    add_vae_dtype_arg(p)
+    add_chunked_runtime_args(p, vae_tile="none")
 
 
 def run_play(args) -> int:

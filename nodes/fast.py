@@ -392,15 +392,17 @@ class LingBotFastSampler:
                     # ComfyUI is asked for need.loop in all
                     lambda: model.model(device, need.loop - need.model, speed.fp8),
                     vae.encode,
-                    img,
                     context,
-                    size,
-                    frames,
-                    config,
-                    fast_run.whole_path_cameras(cam, chunk),
-                    device,
-                    hooks,
-                    lambda c, v, t: timings.append(t),
+                    chunked.Chunks(
+                        img,
+                        size,
+                        frames,
+                        config,
+                        fast_run.whole_path_cameras(cam, chunk),
+                        device,
+                        hooks,
+                        lambda c, v, t: timings.append(t),
+                    ),
                 )
         except torch.OutOfMemoryError:
             model.close()

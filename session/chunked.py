@@ -7,6 +7,7 @@ in its own words.
 """
 
 import contextlib
+import dataclasses
 import functools
 import re
 from collections.abc import Callable
@@ -97,32 +98,34 @@ def check_fit(*args, **kwargs) -> None:
         raise ValueError(f"memory: {issue}")
 
 
-def run(
-    load_model: Callable,
-    encode: Callable,
-    image,
-    context,
-    size: tuple,
-    frames: int,
-    config: FastConfig,
-    cameras,
-    device,
-    hooks,
-    on_chunk: Callable,
-    decoding=None,
-    ranks: int = 1,
-):
-    """The first-frame condition (`encode`: the VAE's), the model (`load_model()`), then chunk after chunk
-    with the next camera from `cameras`, each handed to on_chunk(latent, video or None, ChunkTiming).
+@dataclasses.dataclass
+class Chunks:
+    """What a chunked run makes and where: `frames` video frames at `size` from `image` (the first frame),
+    with `config`, the next camera per chunk from `cameras`, on `device`, phases timed by `hooks`, each chunk
+    handed to on_chunk(latent, video or None, ChunkTiming)."""
+
+    image: object
+    size: tuple
+    frames: int
+    config: FastConfig
+    cameras: object
+    device: object
+    hooks: object
+    on_chunk: Callable
+
+
+def run(load_model: Callable, encode: Callable, context, job: Chunks, decoding=None, ranks: int = 1):
+    """The first-frame condition (`encode`: the VAE's), the model (`load_model()`), then `job`'s chunks.
     `decoding`: a context manager giving the chunk decoder (None: chunks are not decoded here). `ranks` > 1:
     sequence parallel in a process group; `encode` None on the ranks other than 0, which receive the
     condition and run their share of every forward. Returns (the whole latent, or None when no chunk was
     made; the chunks made)."""
-    phase = hooks.in_phase
+    config, device, frames, size = job.config, job.device, job.frames, job.size
+    phase = job.hooks.in_phase
     y = None
     if encode is not None:
         with phase("vae_encode"):
-            y = fast_run.condition(image, encode, frames, size, device)
+            y = fast_run.condition(job.image, encode, frames, size, device)
     if ranks > 1:
         (y,) = distributed.broadcast_tensors(None if y is None else [y], device)
     with phase("load_model"):
@@ -130,11 +133,11 @@ def run(
     if ranks > 1:
         dit.sequence_parallel = SequenceParallel()
     lat_shape = (fast_latent_frames(frames, config.chunk_frames), *size[:2])
-    session = FastSession(dit, context.to(device), y, lat_shape, config, device, hooks)
+    session = FastSession(dit, context.to(device), y, lat_shape, config, device, job.hooks)
     del y
     try:
         with phase("chunks"), decoding or contextlib.nullcontext() as decoder:
-            made = fast_run.run_chunks(session, cameras, decoder, on_chunk)
+            made = fast_run.run_chunks(session, job.cameras, decoder, job.on_chunk)
         return (session.latent() if made else None), made
     finally:
         session.close()
@@ -143,14 +146,7 @@ def run(
 def run_files(
     files: FastFiles,
     prompt: str,
-    image,
-    size: tuple,
-    frames: int,
-    config: FastConfig,
-    cameras,
-    device,
-    hooks,
-    on_chunk: Callable,
+    job: Chunks,
     *,
     t5_mode: str,
     t5_device: str,
@@ -167,8 +163,8 @@ def run_files(
     decoder in `decode_dtype`, None: the exact one); the latent also saved for ComfyUI's Load Latent node
     (`save_latent`). Under sequence parallel (`ranks` > 1) rank 0 alone encodes the text and the first frame
     (the others receive them), decodes and saves. Returns `run`'s (latent or None, chunks made)."""
-    lead = distributed.rank() == 0
-    with hooks.in_phase("text_encode"):
+    lead, device = distributed.rank() == 0, job.device
+    with job.hooks.in_phase("text_encode"):
         context = None
         if lead:
             context = text_encode.encode_prompts(
@@ -179,22 +175,15 @@ def run_files(
         (context,) = context
     vae = None
     if lead:
-        with hooks.in_phase("load_vae"):
+        with job.hooks.in_phase("load_vae"):
             vae = load_vae(files.vae, device)
     model = fast_run.FastModel(files, device, quantize=quantize or None, swap_blocks=swap)
     try:
         latent, made = run(
             model,
             functools.partial(vae.encode, tile=tile) if lead else None,
-            image,
             context,
-            size,
-            frames,
-            config,
-            cameras,
-            device,
-            hooks,
-            on_chunk if lead else lambda *_: None,
+            job if lead else dataclasses.replace(job, on_chunk=lambda *_: None),
             decoding=vae.chunk_decoder(tile, dtype=decode_dtype) if lead else None,
             ranks=ranks,
         )

@@ -175,35 +175,36 @@ class Controls:
         held = self._held
         if self.mode == "hold":
             self.landed = [(e[0], 0) for e in events]
-            tapped, dx, dy = set(), 0.0, 0.0
-            for _, kind, what in events:
-                if kind == "down":
-                    held.add(what)
-                    tapped.add(what)
-                elif kind == "up":
-                    held.discard(what)
-                else:
-                    dx, dy = dx + what[0], dy + what[1]
+            tapped, dx, dy = _apply(events, held)
             first = Slot(frozenset(held | tapped), dx / n, dy / n)
             return [first] + [Slot(frozenset(held), dx / n, dy / n)] * (n - 1)
         out = []
         i = 0
         for s in range(n):
             end = t0 + span * (s + 1) / n
-            pressed, dx, dy = set(), 0.0, 0.0
-            while i < len(events) and (events[i][0] <= end or s == n - 1):
-                _, kind, what = events[i]
-                if kind == "down":
-                    held.add(what)
-                    pressed.add(what)
-                elif kind == "up":
-                    held.discard(what)
-                else:
-                    dx, dy = dx + what[0], dy + what[1]
-                self.landed.append((events[i][0], s))
-                i += 1
+            j = i
+            while j < len(events) and (events[j][0] <= end or s == n - 1):
+                j += 1
+            pressed, dx, dy = _apply(events[i:j], held)
+            self.landed += [(e[0], s) for e in events[i:j]]
+            i = j
             out.append(Slot(frozenset(held | pressed), dx, dy))
         return out
+
+
+def _apply(events, held: set) -> tuple[set, float, float]:
+    """Input events (time, "down"|"up"|"look", key or (dx, dy)) applied in order to the `held` keys: (the
+    keys pressed among them, the looks' summed dx, dy)."""
+    pressed, dx, dy = set(), 0.0, 0.0
+    for _, kind, what in events:
+        if kind == "down":
+            held.add(what)
+            pressed.add(what)
+        elif kind == "up":
+            held.discard(what)
+        else:
+            dx, dy = dx + what[0], dy + what[1]
+    return pressed, dx, dy
 
 
 class ChunkCamera:

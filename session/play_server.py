@@ -1,6 +1,7 @@
 """The standalone play page: an aiohttp server around one `PlaySession`.
 
-GET / serves the page (web/play/index.html), GET /stats the session's numbers as JSON, GET /ws the stream:
+GET / serves the page (web/play/index.html; GET /play_client.js its module, web/comfyui's), GET /stats the
+session's numbers as JSON, GET /ws the stream:
 - down, binary: a 64-byte header, little endian: uint32 frame index, uint32 rollout, uint32 latent frame,
   float32 send time offset (unused, 0), the latent frame's c2w as 12 float32 (3 rows of 4), then one JPEG;
 - down, text JSON: {"type": "hello", "role": "control"|"viewer", ...}, {"type": "stats", ...} after each chunk,
@@ -159,6 +160,10 @@ class PlayServer:
         app = web.Application()
         pages = page_dir()
         app.router.add_get("/", lambda r: web.FileResponse(pages / "index.html"))
+        shared = (
+            pages.parent / "comfyui" / "play_client.js"
+        )  # the page's module, shared with the ComfyUI panel
+        app.router.add_get("/play_client.js", lambda r: web.FileResponse(shared))
         app.router.add_get("/stats", self._stats)
         app.router.add_get("/ws", self.handle_ws)
         app.router.add_static("/static", pages)

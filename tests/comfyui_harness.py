@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -43,6 +44,27 @@ TIMEOUT_SCALE = float(os.environ.get("LINGBOT_COMFYUI_TIMEOUT_SCALE", "4"))
 def scaled(seconds: float) -> float:
     """A time limit for this machine: `seconds` on an idle one, times LINGBOT_COMFYUI_TIMEOUT_SCALE."""
     return seconds * TIMEOUT_SCALE
+
+
+def run_parity_script(script: str, *args, cache: Path, timeout: float = 300) -> dict:
+    """tests/`script` PACK_ROOT ARGS run by ComfyUI's python (COMFYUI_PYTHON) in COMFYUI_DIR with its
+    LINGBOT_WORLD_CACHE in `cache`; the JSON of its `PARITY ` line."""
+    run = subprocess.run(
+        [
+            os.environ.get("COMFYUI_PYTHON", sys.executable),
+            str(TESTS / script),
+            str(TESTS.parent),
+            *map(str, args),
+        ],
+        cwd=os.environ["COMFYUI_DIR"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(timeout),
+        env={**os.environ, "LINGBOT_WORLD_CACHE": str(cache)},
+    )
+    line = next((x for x in run.stdout.splitlines() if x.startswith("PARITY ")), None)
+    assert line, run.stdout[-2000:] + run.stderr[-4000:]
+    return json.loads(line.removeprefix("PARITY "))
 
 
 def free_port() -> int:

@@ -1,10 +1,12 @@
 """Helpers shared by several test files (tests import them from here, never from another test file):
-CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example, the
-block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks (arguments, a linked checkpoint
-copy, the one-error check), a kohya LoRA file, a Fast session's forward recorder and a process-exit wait."""
+CPU stand-ins of ComfyUI's runtime modules for the node tests, the nodes' inputs for an example and the
+Fast sampler call, the block-swap tests' tiny NF4 expert with its LoRA, the CLI's bad-input checks
+(arguments, a linked checkpoint copy, the one-error check), a kohya LoRA file, a compiled-blocks graph counter, a Fast session's forward
+recorder, a process-exit wait and a headless Chromium."""
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
+import pytest
 import torch
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
@@ -95,6 +98,18 @@ def node_inputs(nodes, example):
     with Image.open(example / "image.jpg") as img:
         image = torch.from_numpy(np.array(img.convert("RGB")).astype(np.float32) / 255.0)[None]
     return text, vae, camera, image
+
+
+NODE_SIZE = ("max_area", "64*112", 832, 480)  # the samplers' size inputs: at most 64*112 pixels
+
+
+def fast_sample(
+    nodes, model, vae, image, length=21, seed=5, shift=10.0, window=3, sink=0, kv="bf16", **inputs
+):
+    """The Fast sampler node's `sample` at NODE_SIZE (`inputs`: camera, text, speed)."""
+    return nodes.LingBotFastSampler().sample(
+        model, vae, image, *NODE_SIZE, length, seed, shift, window, sink, kv, **inputs
+    )
 
 
 def load_nf4(path, device="cpu"):
@@ -230,6 +245,19 @@ def tiny_lora(path, config, seed=0, rank=2):
     return path
 
 
+def counting_blocks():
+    """(a `speed.CompiledBlocks` whose backend runs each traced graph as is, the list of graphs it traced)."""
+    from lingbot_world.wan import speed
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return speed.CompiledBlocks(backend=counting_backend), graphs
+
+
 def record_forwards(session: FastSession) -> list:
     flows, forward = [], session._forward
 
@@ -295,3 +323,34 @@ def check_torchrun_cli_equals_one_process(argv, folder: Path, frames: int) -> No
     one, two = load_file(folder / "one.latent"), load_file(folder / "two.latent")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-3)
+
+
+@contextlib.contextmanager
+def headless_chromium(profile: Path):
+    """A selenium driver of headless Chromium (its profile in `profile`), quit on leaving; skips the test
+    where selenium, chromium or chromedriver is missing."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip(
+            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        yield driver
+    finally:
+        driver.quit()

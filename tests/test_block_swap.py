@@ -5,8 +5,8 @@ its own hands after a run, an error and an interrupt; bad settings are refused n
 import pytest
 import torch
 from helpers import SWAP_CFG as CFG
+from helpers import counting_blocks, lora_for
 from helpers import load_nf4 as load
-from helpers import lora_for
 from helpers import swap_run as run
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.experts import ExpertSwitcher
@@ -194,17 +194,9 @@ def test_cuda_switcher_never_puts_the_swapped_blocks_on_the_card(nf4_dir):
 def test_swap_with_compiled_blocks_is_exact_and_traces_no_more(nf4_dir):
     """The compiled block function reads each swapped block's weights from wherever the swapper put them
     this forward (fetched device copies, then host views again): same output, no retrace per fetch."""
-    from lingbot_world.wan import speed
-
     model = load(nf4_dir)
     want = run(model)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):  # runs the traced graph as is
-        graphs.append(gm)
-        return gm.forward
-
-    model.block_runner = speed.CompiledBlocks(backend=counting_backend)
+    model.block_runner, graphs = counting_blocks()
     try:
         assert torch.equal(run(model), want)
         traced = len(graphs)

@@ -23,10 +23,12 @@ from comfyui_harness import (
     Server,
     build_models,
     full_size_vae,
+    run_parity_script,
     scaled,
     ui_to_api,
     widget_problems,
 )
+from helpers import headless_chromium
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / "example_workflows" / "lingbot_world_nf4_i2v.json"
@@ -508,23 +510,8 @@ def test_clip_text_encode_embeddings_match_ours(tmp_path):
         tmp_path / "umt5.safetensors", t5, spiece=spiece_model_bytes(), dtype=torch.float16
     )
     prompts = ["a castle in the clouds", (ROOT / "examples" / "00" / "prompt.txt").read_text().strip()]
-    run = subprocess.run(
-        [
-            os.environ.get("COMFYUI_PYTHON", sys.executable),
-            str(ROOT / "tests" / "comfyui_text_parity.py"),
-            str(ROOT),
-            str(encoder),
-            *prompts,
-        ],
-        cwd=COMFYUI_DIR,
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-        env={**os.environ, "LINGBOT_WORLD_CACHE": str(tmp_path / "cache")},
-    )
-    line = next((x for x in run.stdout.splitlines() if x.startswith("PARITY ")), None)
-    assert line, run.stdout[-2000:] + run.stderr[-4000:]
-    for row in json.loads(line.removeprefix("PARITY "))["results"]:
+    parity = run_parity_script("comfyui_text_parity.py", encoder, *prompts, cache=tmp_path / "cache")
+    for row in parity["results"]:
         assert row["comfy_padded"][1] == 512 and row["comfy"] == row["ours"], row
         assert row["max_abs_diff"] <= 0.02 * row["max_abs"], row  # a bf16 step or two
 
@@ -710,30 +697,9 @@ def test_play_node_is_interrupted_cleanly(server):
 @pytest.fixture
 def browser(server, tmp_path):
     """The ComfyUI page in headless Chromium (selenium), once the frontend has loaded the pack's extensions."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if not chromium or not driver_path:
-        pytest.skip(
-            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
-        )
-    from selenium.webdriver.support.ui import WebDriverWait
+    with headless_chromium(tmp_path / "chrome") as driver:
+        from selenium.webdriver.support.ui import WebDriverWait
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--no-first-run",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'chrome'}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
-    try:
         driver.get(server.url)
         # the frontend has loaded the pack's extension once the app lists it
         WebDriverWait(driver, scaled(60), 0.5).until(
@@ -743,8 +709,6 @@ def browser(server, tmp_path):
             )
         )
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfyui_harness import scaled
+from comfyui_harness import run_parity_script, scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -24,23 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_parity(work: Path, *mode: str, timeout: float = 300) -> dict:
-    run = subprocess.run(
-        [
-            os.environ.get("COMFYUI_PYTHON", sys.executable),
-            str(ROOT / "tests" / "comfyui_native_parity.py"),
-            str(ROOT),
-            str(work),
-            *mode,
-        ],
-        cwd=COMFYUI_DIR,
-        capture_output=True,
-        text=True,
-        timeout=scaled(timeout),
-        env={**os.environ, "LINGBOT_WORLD_CACHE": str(work / "cache")},
-    )
-    line = next((x for x in run.stdout.splitlines() if x.startswith("PARITY ")), None)
-    assert line, run.stdout[-2000:] + run.stderr[-4000:]
-    return json.loads(line.removeprefix("PARITY "))
+    return run_parity_script("comfyui_native_parity.py", work, *mode, cache=work / "cache", timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import fast_args, node_inputs
+from helpers import fast_args, fast_sample, node_inputs
 from lingbot_world import cli
 from lingbot_world.loaders.camera_files import CameraInput
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR, resolve_fast_dir
@@ -247,15 +247,11 @@ def test_nodes_give_the_cli_latent(fast_ckpt, shipped_example, tmp_path, fake_co
     assert nodes.LingBotFastSampler.VALIDATE_INPUTS(local_attn_size=5, sink_size=2) is True  # v1's, not v2's
     (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
     text, vae, camera, image = node_inputs(nodes, shipped_example)
-    (out,) = nodes.LingBotFastSampler().sample(
-        model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, 3, 0, "bf16", camera=camera, text=text
-    )
+    (out,) = fast_sample(nodes, model, vae, image, camera=camera, text=text)
     assert out["samples"].shape == (1, 16, 6, 6, 14)
     assert torch.equal(out["samples"], load_file(str(saved))["latent_tensor"])
     with pytest.raises(ValueError, match="connect LingBot Text Encode"):
-        nodes.LingBotFastSampler().sample(
-            model, vae, image, "max_area", "64*112", 832, 480, 21, 5, 10.0, -1, 0, "bf16"
-        )
+        fast_sample(nodes, model, vae, image, window=-1)
 
 
 def test_ctrl_c_between_chunks_writes_no_mp4(fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch):
@@ -373,23 +369,7 @@ def test_fast_node_asks_comfyui_for_the_planners_figure(fast_ckpt, shipped_examp
     asked, caches = {}, {}
     for window, kv in ((-1, "bf16"), (3, "fp8")):
         calls.clear()
-        nodes.LingBotFastSampler().sample(
-            model,
-            vae,
-            image,
-            "max_area",
-            "64*112",
-            832,
-            480,
-            21,
-            5,
-            10.0,
-            window,
-            0,
-            kv,
-            camera=camera,
-            text=text,
-        )
+        fast_sample(nodes, model, vae, image, window=window, kv=kv, camera=camera, text=text)
         config = fast_run.fast_config(10.0, 5, window, 0, kv)
         need = fast_run.fast_memory(files, (6, *SIZE[:2]), config, None, 0, "auto", decode=False)
         assert calls == [(need.model + need.caches + need.work + need.condition, torch.device("cpu"))], window
@@ -419,23 +399,7 @@ def test_fast_node_turns_cuda_oom_into_a_clear_error(
 
     monkeypatch.setattr(fast_run, "run_chunks", run_chunks)
     with pytest.raises(RuntimeError) as err:
-        nodes.LingBotFastSampler().sample(
-            model,
-            vae,
-            image,
-            "max_area",
-            "64*112",
-            832,
-            480,
-            21,
-            5,
-            10.0,
-            3,
-            0,
-            "bf16",
-            camera=camera,
-            text=text,
-        )
+        fast_sample(nodes, model, vae, image, camera=camera, text=text)
     assert not isinstance(err.value, torch.OutOfMemoryError)
     assert str(err.value) == "LingBot-World-Fast: CUDA ran out of memory during chunks; models released"
     assert loaded == ["high"] and model._switcher is None

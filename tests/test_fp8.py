@@ -5,7 +5,15 @@ import json
 
 import pytest
 import torch
-from helpers import args_for, expect_clear_error, fast_args, node_inputs
+from helpers import (
+    NODE_SIZE,
+    args_for,
+    counting_blocks,
+    expect_clear_error,
+    fast_args,
+    fast_sample,
+    node_inputs,
+)
 from lingbot_world import cli
 from lingbot_world.loaders import quantize as quantize_mod
 from lingbot_world.loaders import stream, synthetic
@@ -242,7 +250,7 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
     assert experts.resident_bytes("high") == fp8_bytes > nf4_room
     experts.switcher(torch.device("cpu"), {})
     assert experts.resident_bytes("high") == nf4_room
-    settings = ("max_area", "64*112", 832, 480, 9, 2, 10.0, 0.947, 4.0, 6.0, 0, "unipc")
+    settings = (*NODE_SIZE, 9, 2, 10.0, 0.947, 4.0, 6.0, 0, "unipc")
     with pytest.raises(
         ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU.*turn fp8_linears off"
     ):
@@ -250,12 +258,11 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
 
     nodes = fake_comfy(fast_ckpt, tmp_path)
     (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
-    fast_settings = ("max_area", "64*112", 832, 480, 21, 5, 10.0, 3, 0, "bf16")
     with pytest.raises(ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU"):
-        nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=speed)
+        fast_sample(nodes, model, vae, image, text=text, speed=speed)
     (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
     with pytest.raises(ValueError, match="speed: the Fast sampler takes attention, compile and fp8_linears"):
-        nodes.LingBotFastSampler().sample(model, vae, image, *fast_settings, text=text, speed=cached)
+        fast_sample(nodes, model, vae, image, text=text, speed=cached)
 
 
 class TinyRun:
@@ -307,16 +314,8 @@ def rel_l2(a, b):
 def test_fp8_blocks_trace_without_graph_breaks():
     """The compiled block runner traces fp8 blocks into the same two graphs as bf16 ones (no graph break at
     the scaled matmul or the per-token quantization), and runs them to the eager values."""
-    from lingbot_world.wan import speed
-
     run = TinyRun(layers=3)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    runner = speed.CompiledBlocks(backend=counting_backend)
+    runner, graphs = counting_blocks()
     eager = run.forward()
     run.model.block_runner = runner
     try:

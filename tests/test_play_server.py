@@ -4,14 +4,13 @@ import asyncio
 import contextlib
 import json
 import re
-import shutil
 import socket
 import threading
 
 import aiohttp
 import numpy as np
 import pytest
-from helpers import fast_args
+from helpers import fast_args, headless_chromium
 from lingbot_world import cli
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
 from lingbot_world.session import play, play_server
@@ -55,7 +54,7 @@ async def frames_until(ws, count, texts, timeout=600.0):
 def test_websocket_protocol(fast_ckpt, shipped_example):
     """Frames come in order with their indices and poses (paced); the controller's key reaches the session (hold
     mode: W pressed after the first frame moves the camera forward from a later chunk on) and its key->pixel is
-    measured to the show time; a second client is a viewer whose input is refused; /stats answers; closing the
+    measured to the show time; a second client is a viewer whose input is refused; /play_client.js and /stats answer; closing the
     controller's socket ends the session."""
     server, thread, result = start_server(fast_ckpt, shipped_example)
     url = f"http://127.0.0.1:{server.port}"
@@ -64,6 +63,9 @@ def test_websocket_protocol(fast_ckpt, shipped_example):
         async with aiohttp.ClientSession() as http:
             page = await http.get(url + "/")
             assert page.status == 200 and "LingBot-World Play" in await page.text()
+            module = await http.get(url + "/play_client.js")  # the page's script, shared with ComfyUI's panel
+            assert module.status == 200 and "javascript" in module.content_type
+            assert "export function readFrame" in await module.text()
             ctl = await http.ws_connect(url + "/ws")
             hello = json.loads((await ctl.receive(timeout=60)).data)
             assert hello["type"] == "hello" and hello["role"] == "control" and hello["mode"] == "hold"
@@ -149,42 +151,17 @@ def test_record_needs_a_free_name(fast_ckpt, shipped_example, tmp_path, capsys, 
     assert "exists" in capsys.readouterr().err and taken.read_bytes() == b"x"
 
 
-CHROME_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-)
-
-
 @pytest.mark.slow
 def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
     """Headless Chromium opens the page, W then the right arrow are pressed on the picture; frames arrive and
-    the page's camera log moves forward, then turns right; the HUD reports key->pixel (to the frame's show time:
-    the server paces the frames) and FPS as played, and the page's shown-frame count keeps growing. Prints the
-    page's figures (the issue's latency from the browser test)."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if not chromium or not driver_path:
-        pytest.skip(
-            "the browser test needs chromium and chromedriver on PATH (Debian: chromium, chromium-driver)"
-        )
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import WebDriverWait
+    the page's camera log moves forward, then turns right."""
+    with headless_chromium(tmp_path / "chrome") as driver:
+        from selenium.webdriver.common.action_chains import ActionChains
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.common.keys import Keys
+        from selenium.webdriver.support.ui import WebDriverWait
 
-    server, thread, result = start_server(fast_ckpt, shipped_example)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (*CHROME_FLAGS, f"--user-data-dir={tmp_path / 'chrome'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
-    try:
+        server, thread, result = start_server(fast_ckpt, shipped_example)
         driver.get(server.url)
         log = lambda: driver.execute_script("return window.playLog")  # noqa: E731
         WebDriverWait(driver, 600).until(lambda d: len(log()) >= 1)
@@ -214,8 +191,6 @@ def test_browser_plays_with_keys(fast_ckpt, shipped_example, tmp_path):
             f"browser: key->pixel (shown) p50 {key_ms[1]} ms p95 {key_ms[2]} ms over "
             f"{page['shown_keys_measured']} events, FPS as played {fps[1]}, {shown()} frames shown"
         )
-    finally:
-        driver.quit()
     thread.join(120)  # the tab is gone: the session ends
     assert not thread.is_alive() and "error" not in result
     assert result["stats"]["key_events_measured"] >= 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import node_inputs, tiny_lora
+from helpers import NODE_SIZE, node_inputs, tiny_lora
 from lingbot_world import cli
 from lingbot_world.loaders import checkpoints
 from lingbot_world.loaders.camera_files import CameraInput
@@ -361,10 +361,7 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
         experts,
         vae,
         image,
-        "max_area",
-        "64*112",
-        832,
-        480,
+        *NODE_SIZE,
         9,
         10,
         10.0,
@@ -388,10 +385,7 @@ def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
         experts,
         vae,
         image,
-        "max_area",
-        "64*112",
-        832,
-        480,
+        *NODE_SIZE,
         9,
         4,
         10.0,

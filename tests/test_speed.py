@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import counting_blocks
 from lingbot_world.loaders.synthetic import tiny_config
 from lingbot_world.wan import attention, i2v, pipeline, schedulers, speed
 from lingbot_world.wan.config import SampleConfig
@@ -225,13 +226,7 @@ def test_per_expert_threshold():
 
 def test_compiled_blocks_trace_once_for_all_blocks_steps_and_experts():
     inp = Inputs(layers=4)
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    runner = speed.CompiledBlocks(backend=counting_backend)
+    runner, graphs = counting_blocks()
     x, y, cam = inp.noise, inp.y, inp.cam
     with torch.no_grad():
         for model in inp.models.values():
@@ -247,14 +242,9 @@ def test_compiled_blocks_trace_once_for_all_blocks_steps_and_experts():
 
 
 def test_compiled_sampling_loop_traces_once_and_leaves_experts_plain(inputs, monkeypatch):
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
+    runner, graphs = counting_blocks()
     monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    monkeypatch.setattr(speed, "_compiled_blocks", speed.CompiledBlocks(backend=counting_backend))
+    monkeypatch.setattr(speed, "_compiled_blocks", runner)
     stats = SpeedStats()
     out = inputs.denoise(speed=SpeedOptions(compile=True), stats=stats)
     assert stats.compiled and len(graphs) == 2  # 16 steps x 2 branches x 2 experts x 2 blocks

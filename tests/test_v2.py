@@ -13,7 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import check_torchrun_cli_equals_one_process, fast_args, node_inputs, record_forwards
+from helpers import (
+    check_torchrun_cli_equals_one_process,
+    fast_args,
+    fast_sample,
+    node_inputs,
+    record_forwards,
+)
 from lingbot_world import cli
 from lingbot_world.loaders import fast_checkpoint as FC
 from lingbot_world.loaders import formats as F
@@ -338,21 +344,7 @@ def test_fast_command_and_nodes_run_the_1_3b(repo13, repo14, shipped_example, tm
     assert sampler.VALIDATE_INPUTS(
         local_attn_size=defaults["local_attn_size"], sink_size=defaults["sink_size"]
     )
-    (latent,) = sampler.sample(
-        model,
-        vae,
-        image,
-        "max_area",
-        "64*112",
-        832,
-        480,
-        33,
-        42,
-        *defaults.values(),
-        "bf16",
-        camera=camera,
-        text=text,
-    )
+    (latent,) = fast_sample(nodes, model, vae, image, 33, 42, *defaults.values(), camera=camera, text=text)
     assert torch.equal(latent["samples"], got)
     (model,) = nodes.LingBotFastLoader().load("-", False, 0.0, ckpt_dir=str(repo14))
     assert model.kind.name == "v2-14b" and model.source.path == repo14 / FC.V2_DIR

@@ -368,16 +368,7 @@ class FastSession:
         if stream:  # drawn chunk by chunk in next_chunk
             self._noise, self._y, self._y_all = {}, {}, y.to(self.device)
         else:
-            noise = torch.randn(
-                LATENT_CHANNELS,
-                lat_f,
-                lat_h,
-                lat_w,
-                dtype=torch.float32,
-                generator=self.generator,
-                device=self.device,
-            )
-            self._noise = list(noise.split(chunk, dim=1))
+            self._noise = list(self._draw_noise(lat_f).split(chunk, dim=1))
             self._y = list(y.to(self.device).split(chunk, dim=1))
         self._context = context.to(self.device)
 
@@ -502,21 +493,23 @@ class FastSession:
 
     def _stream_inputs(self, k: int) -> None:
         """Chunk k's initial noise and condition frames (stream mode)."""
-        _, lat_h, lat_w = self.lat_shape
         n = self.chunk
         frames = torch.arange(k * n, (k + 1) * n, device=self.device).clamp(max=self._y_all.shape[1] - 1)
         self._y = {k: self._y_all.index_select(1, frames)}
-        self._noise = {
-            k: torch.randn(
-                LATENT_CHANNELS,
-                n,
-                lat_h,
-                lat_w,
-                dtype=torch.float32,
-                generator=self.generator,
-                device=self.device,
-            )
-        }
+        self._noise = {k: self._draw_noise(n)}
+
+    def _draw_noise(self, frames: int) -> torch.Tensor:
+        """The next `frames` latent frames of initial noise from the session's generator (fp32)."""
+        _, lat_h, lat_w = self.lat_shape
+        return torch.randn(
+            LATENT_CHANNELS,
+            frames,
+            lat_h,
+            lat_w,
+            dtype=torch.float32,
+            generator=self.generator,
+            device=self.device,
+        )
 
     def set_context(self, context: torch.Tensor) -> None:
         """A new prompt's embedding [tokens, text_dim]: the next chunk's cross-attention uses it."""

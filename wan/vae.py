@@ -523,18 +523,10 @@ class WanVAE(nn.Module):
         with self.chunk_decoder(tile, overlap, chunk_frames, out_device, dtype) as decoder:
             return decoder.decode(latent, last=True)
 
-    def chunk_decoder(
-        self,
-        tile=None,
-        overlap: int = DEFAULT_OVERLAP,
-        chunk_frames: int = 2,
-        out_device=None,
-        dtype: torch.dtype | None = None,
-        channels_last: bool = True,
-    ) -> "ChunkDecoder":
-        """A `ChunkDecoder`: decodes a latent handed over in consecutive pieces of latent frames (the
-        causal caches carried between them), the concatenated output equal to one `decode`."""
-        return ChunkDecoder(self, tile, overlap, chunk_frames, out_device, dtype, channels_last)
+    def chunk_decoder(self, *args, **kwargs) -> "ChunkDecoder":
+        """`ChunkDecoder(self, *args, **kwargs)`: decodes a latent handed over in consecutive pieces of latent
+        frames (the causal caches carried between them), the concatenated output equal to one `decode`."""
+        return ChunkDecoder(self, *args, **kwargs)
 
     def decode_bytes_per_latent_pixel(self, chunk_frames: int = 2, dtype: torch.dtype | None = None) -> int:
         """Analytic peak decode memory per latent pixel of a tile (model dtype, output buffer excluded).

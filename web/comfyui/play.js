@@ -2,11 +2,7 @@
 // pack's WebSocket on ComfyUI's server, shows the frames as they come and sends keys while it has focus.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-
-const MOVE = new Set(["KeyW", "KeyA", "KeyS", "KeyD", "KeyQ", "KeyE", "ShiftLeft", "ShiftRight",
-  "ArrowUp", "ArrowDown", "ArrowLeft", "ArrowRight"]);
-
-function fmt(v, d) { return v === null || v === undefined ? "–" : Number(v).toFixed(d); }
+import { dragToLook, fmt, ms, playKey, readFrame, releaseKeys } from "./play_client.js";
 
 function openPanel(detail) {
   document.getElementById("lingbot-play")?.remove();
@@ -28,9 +24,8 @@ function openPanel(detail) {
   url.protocol = url.protocol === "https:" ? "wss:" : "ws:";
   const ws = new WebSocket(url);
   ws.binaryType = "arraybuffer";
-  let stats = {}, frames = 0, state = "connecting", blobUrl = null, drag = null;
+  let stats = {}, frames = 0, state = "connecting", blobUrl = null;
   const draw = () => {
-    const ms = (v) => (v === null || v === undefined ? "–" : (1000 * v).toFixed(0) + " ms");
     // the server paces the frames: the shown_* figures are as shown (a frame is shown when it arrives)
     hud.textContent = state + " | frames " + frames + " | FPS as played " + fmt(stats.shown_fps, 1) +
       " | s/chunk " + fmt(stats.s_per_chunk, 2) + " | key→pixel p50 " + ms(stats.shown_key_to_pixel_p50_s) +
@@ -49,36 +44,20 @@ function openPanel(detail) {
       draw();
       return;
     }
-    const view = new DataView(ev.data);
-    const p = []; for (let i = 0; i < 12; i++) p.push(view.getFloat32(16 + 4 * i, true));
-    window.lingbotPlayLog.push({ index: view.getUint32(0, true), rollout: view.getUint32(4, true),
-      latent: view.getUint32(8, true), x: p[3], y: p[7], z: p[11], yaw: Math.atan2(p[2], p[10]) * 180 / Math.PI });
-    const blob = new Blob([new Uint8Array(ev.data, 64)], { type: "image/jpeg" });
+    const { jpeg, ...entry } = readFrame(ev.data);
+    window.lingbotPlayLog.push(entry);
     if (blobUrl) URL.revokeObjectURL(blobUrl);
-    blobUrl = URL.createObjectURL(blob);
+    blobUrl = URL.createObjectURL(jpeg);
     img.src = blobUrl;
     frames += 1;
     draw();
   };
   ws.onclose = () => { if (!state.startsWith("ended")) state = "disconnected"; draw(); };
-  const onKey = (ev, down) => {
-    if (ev.code === "KeyR") { if (down && !ev.repeat) send({ type: "restart" }); }
-    else if (MOVE.has(ev.code)) { if (!ev.repeat) send({ type: "key", key: ev.code, down }); }
-    else return;
-    ev.preventDefault();
-    ev.stopPropagation();
-  };
+  const onKey = (ev, down) => { if (playKey(ev, down, send)) ev.stopPropagation(); };  // not ComfyUI's keys
   panel.addEventListener("keydown", (ev) => onKey(ev, true));
   panel.addEventListener("keyup", (ev) => onKey(ev, false));
-  panel.addEventListener("blur", () => { for (const code of MOVE) send({ type: "key", key: code, down: false }); });
-  img.addEventListener("mousedown", (ev) => { drag = [ev.clientX, ev.clientY]; panel.focus(); ev.preventDefault(); });
-  window.addEventListener("mouseup", () => { drag = null; });
-  window.addEventListener("mousemove", (ev) => {
-    if (!drag) return;
-    const dx = ev.clientX - drag[0], dy = ev.clientY - drag[1];
-    drag = [ev.clientX, ev.clientY];
-    if (dx || dy) send({ type: "look", dx, dy });
-  });
+  panel.addEventListener("blur", () => releaseKeys(send));
+  dragToLook(img, panel, send);
   panel.querySelector('[data-a="restart"]').onclick = () => send({ type: "restart" });
   panel.querySelector('[data-a="stop"]').onclick = () => { send({ type: "stop" }); };
   panel.focus();

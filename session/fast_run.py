@@ -447,13 +447,15 @@ def fast_memory(
     forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
+    least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
+    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
     if tile == "auto" and budget is not None:  # the tile the encode will pick from what is free
         video = ENCODE_PER_PIXEL_FRAME * frames * pixels
-        enc_tile = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
-    else:
-        least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
-        enc_tile = encode_tile(lat_h, lat_w, least, None)
-    encode = encode_vram(frames, lat_f, lat_h, lat_w, enc_tile)
+        picked = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
+        picked = encode_vram(frames, lat_f, lat_h, lat_w, picked)
+        # the encode picks with its analytic estimate, leaner than this fitted figure: where the two disagree
+        # (a pick over the budget) the figure stays at the smallest tile, as before, rather than refusing
+        encode = picked if picked <= budget else encode
     encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
     ram = int(
         max(

@@ -16,7 +16,6 @@ from helpers import args_for, fast_args
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic
 from lingbot_world.loaders.camera_files import CameraInput, load_camera_dir
-from lingbot_world.loaders.checkpoints import resolve_checkpoint_dir
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR
 from lingbot_world.loaders.video import check_output
 from lingbot_world.session import doctor
@@ -223,17 +222,6 @@ def test_camera_and_quantize_outputs_never_replace_a_device_or_an_input(tmp_path
 
 
 # ---- 11, 12: a Fast folder's damaged shard in doctor, doctor's device, a sink without a window --------
-
-
-@pytest.fixture(scope="module")
-def fast_ckpt(nf4_ckpt, tmp_path_factory):
-    """A base-cam folder (links to the tiny demo checkpoint) holding a tiny fp32 lingbot_world_fast/."""
-    root = tmp_path_factory.mktemp("fast_base_cam")
-    for entry in nf4_ckpt.iterdir():
-        (root / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    cfg = resolve_checkpoint_dir(nf4_ckpt).config
-    synthetic.write_diffusers_expert(root / FAST_DIR, cfg, seed=11, dtype=torch.float32, shards=2)
-    return root
 
 
 def test_doctor_checks_the_fast_shards(fast_ckpt, tmp_path, monkeypatch, capsys):

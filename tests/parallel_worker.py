@@ -1,6 +1,7 @@
 """Rank bodies for tests/test_parallel.py, spawned with torch.multiprocessing (importable by name)."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -243,12 +244,12 @@ def fast_settings(kind: str):
     return FastConfig.for_kind(CHUNKED_KINDS[kind], seed=7, local_attn_size=2 * chunk + 1, sink_size=1)
 
 
-def fast_generate(kind: str):
+def fast_generate(kind: str, compile: bool = False):
     """The tiny cam model's whole chunked clip: (latent, the attention caches' bytes on this rank)."""
     from lingbot_world.wan.fast import FastSession
 
     model = tiny_model()
-    config = fast_settings(kind)
+    config = dataclasses.replace(fast_settings(kind), compile=compile)
     g = torch.Generator().manual_seed(8)
     y = torch.randn(20, *FAST_LAT, generator=g)
     context = torch.randn(7, 32, generator=g)
@@ -262,12 +263,32 @@ def fast_generate(kind: str):
     return session.latent(), cache
 
 
-def fast_rank(rank, world, port, out_dir, kind):
+def traced_chunk_blocks():
+    """The chunk loop's compiled runner with a backend that runs each traced graph as is; returns the graphs' code."""
+    from lingbot_world.wan import speed
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    speed.compiler_missing = lambda device: None
+    speed._chunk_blocks = speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
+    return graphs
+
+
+def fast_rank(rank, world, port, out_dir, kind, compile=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        latent, cache = fast_generate(kind)
-        torch.save({"latent": latent, "cache": cache}, Path(out_dir) / f"rank{rank}.pt")
+        graphs = traced_chunk_blocks() if compile else []
+        latent, cache = fast_generate(kind, compile)
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+        out = {"latent": latent, "cache": cache, "graphs": graphs, "graph_breaks": breaks}
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         peers_done()
     finally:
         dist.destroy_process_group()

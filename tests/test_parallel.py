@@ -274,6 +274,19 @@ def test_chunked_generation_split_across_ranks_equals_one_process(kind, tmp_path
         torch.testing.assert_close(got["latent"], expected, rtol=1e-4, atol=1e-4)  # fp32: GEMM rounding
 
 
+def test_compiled_chunk_loop_under_sequence_parallel_traces_the_all_to_all_and_equals_one_process(tmp_path):
+    """`fast/play --compile` on 2 ranks: once the window rolls each block runs as one traced graph with the
+    all-to-alls inside (functional collectives, no graph break), and the clip is the one-process eager clip."""
+    with one_thread():
+        expected, _ = worker.fast_generate("v2-1.3b")
+    mp.spawn(worker.fast_rank, args=(2, free_port(), str(tmp_path), "v2-1.3b", True), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["graphs"] and got["graph_breaks"] == 0
+        assert all(code.count("all_to_all_single") == 4 for code in got["graphs"])  # q, k, v in; output out
+        torch.testing.assert_close(got["latent"], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_chunked_session_refuses_a_degree_that_does_not_split_the_heads():
     from lingbot_world.wan.fast import FastConfig, FastSession
 

@@ -396,8 +396,6 @@ class FastSession:
         self._kv = ChunkCausal(self._cache, len(model.blocks))
         self._runner = None
         if config.compile:
-            if sp is not None:
-                raise ValueError("compile: not with sequence parallel (the all-to-all inside self-attention)")
             if getattr(model, "lean_activations", False):
                 raise ValueError("compile: the lean blocks do not run compiled; turn off lean_activations")
             blocks = speed.chunk_block_runner(self.device)

@@ -26,7 +26,9 @@ What else runs under it, and why it needs nothing of the collectives:
 - the step cache (`wan.step_cache`): it decides from the replicated latent and the gathered prediction,
   the same bytes on every rank; the decision is still taken from rank 0 (`agree`), so the ranks skip the
   same forwards and their collectives stay paired even where a reduction rounds differently on unlike GPUs.
-- compile is refused (`session.request.check_ulysses`): the compiled blocks would trace the collectives.
+- compile: the chunk loop's compiled blocks (`wan.fast`, `fast`/`play --compile`) trace the all-to-all as
+  torch's functional collective, one graph per block with the communication inside; the base-cam step still
+  refuses compile under sequence parallel (`session.request.check_ulysses`).
 - chunked generation (`wan.fast`): each chunk's forward splits its tokens like any other; the chunk-causal
   keys are written inside `attention`'s core, where the rank holds the whole chunk for its H/N heads, so each
   rank's K/V cache keeps its heads only (1/N of it) and its placement (token counts) is the same on every rank.
@@ -46,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
 class SequenceParallel:
@@ -81,6 +84,8 @@ class SequenceParallel:
 
     def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        if torch.compiler.is_compiling():  # the functional op traces into the compiled block's graph
+            return funcol.all_to_all_single(x, None, None, self.group or dist.group.WORLD)
         out = torch.empty_like(x)  # after .contiguous(): empty_like keeps a transposed input's strides
         dist.all_to_all_single(out, x, group=self.group)
         return out

@@ -23,8 +23,9 @@ it). Without `overlap` (the default on one device: the two would share its memor
 Either way the frames, their poses and key stamps are the same.
 
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
-chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key or mouse event's arrival to the hand-out of the first frame of the
-latent frame it landed in) as p50/p95, and the device memory. Those are hand-out figures (the frames shown as
+chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key
+or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95, and
+the device memory. Those are hand-out figures (the frames shown as
 they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
 that paces the frames (session.pacer) measures key->pixel to the frame's show time.
 """

@@ -633,26 +633,22 @@ def flag_message(err: Exception, command: str) -> str:
     return text[: found.start(2)] + flag + text[found.end(2) :]
 
 
-def resolve_device(text: str) -> torch.device:
-    """--device, checked before anything loads: cpu, cuda or cuda:N on a machine that has it."""
+def resolve_device(text: str, flag: str = "--device") -> torch.device:
+    """--device (or `flag`), checked before anything loads: cpu, cuda or cuda:N on a machine that has it."""
     try:
         device = torch.device(text)
     except (RuntimeError, TypeError):
-        raise ValueError(f"--device: expected cpu, cuda or cuda:N, got {text!r}") from None
+        raise ValueError(f"{flag}: expected cpu, cuda or cuda:N, got {text!r}") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device: only cpu and cuda are supported, got {text!r}")
+        raise ValueError(f"{flag}: only cpu and cuda are supported, got {text!r}")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             from .session.doctor import no_gpu_reason
 
-            raise ValueError(
-                f"--device {text}: CUDA is not available: {no_gpu_reason()}; or use --device cpu"
-            )
+            raise ValueError(f"{flag} {text}: CUDA is not available: {no_gpu_reason()}; or use {flag} cpu")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(
-                f"--device {text}: this machine has {count} CUDA device(s) (cuda:0..{count - 1})"
-            )
+            raise ValueError(f"{flag} {text}: this machine has {count} CUDA device(s) (cuda:0..{count - 1})")
     return device
 
 
@@ -1460,6 +1456,11 @@ def add_play_args(p: argparse.ArgumentParser):
     p.add_argument("--local_attn_size", type=int, help="attention window in latent frames, sink included")
     p.add_argument("--sink_size", type=int, help="latent frames at the start the window keeps")
     add_chunked_runtime_args(p, vae_tile="none")
+    p.add_argument(
+        "--decode_device",
+        help="run the VAE (the decode) on this device, e.g. cuda:1, while --device's GPU makes the next chunk "
+        "(default: --device, one after the other)",
+    )
 
 
 def run_play(args) -> int:
@@ -1471,6 +1472,9 @@ def run_play(args) -> int:
     if warning:
         print(warning, file=sys.stderr, flush=True)
     device = resolve_device(args.device)
+    decode_device = (
+        None if args.decode_device is None else resolve_device(args.decode_device, "--decode_device")
+    )
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     image = load_image(args.image)
     session = play.PlaySession(
@@ -1490,6 +1494,7 @@ def run_play(args) -> int:
         mode=args.mode,
         t5_mode=args.t5_mode,
         t5_device="cpu" if args.t5_cpu else None,
+        decode_device=decode_device,
     )
     try:
         session.lat_shape(image)

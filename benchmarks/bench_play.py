@@ -7,12 +7,13 @@ client that plays --chunks chunks: it walks forward, turns right, strafes, looks
 changing keys every --key-period seconds, and receives every JPEG frame. Reported (one JSON line at the end):
 - fps_played: new frames / wall time after the first chunk (the session's figure; `client_fps` is the same
   counted by the client from frame arrival),
-- s_per_chunk (after the first chunk) and each chunk's seconds,
+- s_per_chunk (after the first chunk) and each chunk's seconds (with the decode overlapping the next chunk,
+  `--decode_device` or `--overlap`: the slower of the DiT and the decode), decode_s_per_chunk (the decode's),
 - key_to_pixel p50/p95 (session: from the key event's arrival at the server to the hand-out of the first
   frame of the latent frame it landed in; `client_key_to_frame` p50/p95: from sending the key to receiving
   the first frame whose pose moved the way the key asks, which includes the chunk the key waited for and,
   paced, the pacer's wait),
-- peak VRAM.
+- peak VRAM (and the decode device's, `decode_peak_vram_gib`).
 The server paces the frames (session.pacer; `--no_pace` sends each as it is made), so the figures as shown
 are reported too: `shown_fps` (frames / wall time at the pace they were sent, after the warm-up),
 `shown_key_to_pixel` p50/p95 (from the key's arrival to the show time of that first frame), the gaps between
@@ -25,6 +26,8 @@ the rate from the second) and the wait the pacer added (`pace_delay_*`). The fig
     python benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model fast
     python benchmarks/bench_play.py --scale tiny --workdir /tmp/bench_play_tiny               # CPU check
     python benchmarks/bench_play.py ... --no_pace                              # frames as they are made
+    python benchmarks/bench_play.py ... --decode_device cuda:1        # the decode on a second GPU, overlapped
+    python benchmarks/bench_play.py ... --overlap                     # overlapped on the DiT's GPU (own stream)
 """
 
 import argparse
@@ -132,6 +135,9 @@ def main() -> int:
     ap.add_argument("--vae_dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the play decoder")
     ap.add_argument("--t5_cpu", action="store_true", help="encode the prompt on the CPU")
     ap.add_argument("--no_pace", action="store_true", help="send each frame as it is made (no pacer)")
+    ap.add_argument("--compile", action="store_true", help="compile the DiT's chunk forward")
+    ap.add_argument("--decode_device", help="the VAE's device, e.g. cuda:1 (default: the DiT's)")
+    ap.add_argument("--overlap", action="store_true", help="overlap the decode with the DiT on one device")
     args = ap.parse_args()
     full = args.scale == "full"
     if full and not torch.cuda.is_available():
@@ -156,6 +162,9 @@ def main() -> int:
         t5_mode="subprocess" if full else "inprocess",
         t5_device="cpu" if args.t5_cpu else None,
         condition_frames=play.CONDITION_FRAMES if full else 4,
+        compile=args.compile,
+        decode_device=args.decode_device,
+        overlap=args.overlap or None,
     )
     g = torch.Generator().manual_seed(0)
     image = torch.rand(3, h, w, generator=g) * 2 - 1
@@ -170,8 +179,9 @@ def main() -> int:
         except BaseException as err:
             result["error"] = err
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    for d in {device, session.decode_device}:
+        if d.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(d)
     t0 = time.perf_counter()
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -200,12 +210,17 @@ def main() -> int:
         "kv_dtype": args.kv_dtype,
         "vae_dtype": args.vae_dtype,
         "mode": args.mode,
+        "compile": args.compile,
+        "decode_device": str(session.decode_device),
+        "overlap": session.overlap,
         "chunks": stats["chunks"],
         "frames_received": len(arrivals),
         "fps_played": stats["fps_played"],
         "client_fps": client_fps,
         "s_per_chunk": stats["s_per_chunk"],
         "chunk_s": [round(v, 4) for v in session.chunk_seconds],
+        "decode_s_per_chunk": stats["decode_s_per_chunk"],
+        "decode_s": [round(v, 4) for v in session.decode_seconds],
         "key_to_pixel_p50_s": stats["key_to_pixel_p50_s"],
         "key_to_pixel_p95_s": stats["key_to_pixel_p95_s"],
         "key_events_measured": stats["key_events_measured"],
@@ -227,6 +242,7 @@ def main() -> int:
         "client_gap_p95_s": play.percentile(gaps, 95),
         "client_gap_max_s": float(gaps.max()) if len(gaps) else None,
         "peak_vram_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "decode_peak_vram_gib": (stats["vram"] or {}).get("decode_peak_gib"),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(summary))

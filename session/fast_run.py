@@ -399,10 +399,13 @@ class FastMemory:
     condition: int = 0  # the i2v condition of the whole clip, kept on the device through the loop
     encode: int = 0  # the first-frame encode, before the model loads: the whole clip's video on the device
     ram: int = 0  # host RAM at its largest: the encode's input video, or the loop with the MP4 streamed
+    overlap: bool = False  # a chunk's decode runs beside the next chunk's forward (play's decode worker)
 
     @property
     def work(self) -> int:
-        """The larger of a chunk's forward and its decode (they do not overlap)."""
+        """The larger of a chunk's forward and its decode, or both when they overlap."""
+        if self.overlap:
+            return self.work_forward + self.work_decode
         return max(self.work_forward, self.work_decode)
 
     @property
@@ -425,6 +428,8 @@ def fast_memory(
     ranks: int = 1,
     decode: bool = True,
     budget: int | None = None,
+    encode: bool = True,
+    overlap: bool = False,
 ) -> FastMemory:
     """Predicted peak VRAM of a Fast run (the first-frame encode, then the chunk loop) and its host RAM.
     Everything that grows with the clip is counted: the caches (unless windowed), the condition, and the
@@ -433,7 +438,9 @@ def fast_memory(
     vae_dtype: the chunk decoder's ('fp32' exact, 'bf16'/'fp16' the fast decoder). `ranks`: sequence-parallel
     ranks (each holds 1/ranks of the self-attention cache; the rest is counted whole). `decode`: the loop
     decodes each chunk (the CLI); False where the decode runs elsewhere (the sampler node). `budget`: the free
-    VRAM at the encode, which 'auto' tiles it to (as `WanVAE.encode` does; None: counted at its smallest tile)."""
+    VRAM at the encode, which 'auto' tiles it to (as `WanVAE.encode` does; None: counted at its smallest tile).
+    `encode`: False where the first-frame encode runs on another device (play's --decode_device). `overlap`: the
+    decode runs beside the next chunk's forward (play's decode worker on the same device)."""
     m = chunked_model(files, quantize)
     cfg, chunk = m.config, config.chunk_frames
     lat_f, lat_h, lat_w = lat_shape
@@ -446,16 +453,7 @@ def fast_memory(
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
     forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
-    # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
-    least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
-    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
-    if tile == "auto" and budget is not None:  # the tile the encode will pick from what is free
-        video = ENCODE_PER_PIXEL_FRAME * frames * pixels
-        picked = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
-        picked = encode_vram(frames, lat_f, lat_h, lat_w, picked)
-        # the encode picks with its analytic estimate, leaner than this fitted figure: where the two disagree
-        # (a pick over the budget) the figure stays at the smallest tile, as before, rather than refusing
-        encode = picked if picked <= budget else encode
+    encoding = first_frame_encode(lat_shape, tile, budget) if encode else 0
     encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
     ram = int(
         max(
@@ -464,7 +462,50 @@ def fast_memory(
         )
     )
     caches = kv_cache_bytes_for(cfg, lat_shape, config, ranks=ranks)
-    return FastMemory(model, caches, forward, decoding, condition, encode, ram)
+    return FastMemory(model, caches, forward, decoding, condition, encoding, ram, overlap and decode)
+
+
+def first_frame_encode(lat_shape: tuple, tile, budget: int | None) -> int:
+    """The first-frame encode's peak VRAM (`fast_memory`'s `encode`; `tile`, `budget` as its)."""
+    lat_f, lat_h, lat_w = lat_shape
+    frames, pixels = (lat_f - 1) * 4 + 1, lat_h * lat_w * 64
+    # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
+    least = (
+        (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else tile if isinstance(tile, tuple) else None
+    )
+    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
+    if tile == "auto" and budget is not None:  # the tile the encode will pick from what is free
+        video = ENCODE_PER_PIXEL_FRAME * frames * pixels
+        picked = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
+        picked = encode_vram(frames, lat_f, lat_h, lat_w, picked)
+        # the encode picks with its analytic estimate, leaner than this fitted figure: where the two disagree
+        # (a pick over the budget) the figure stays at the smallest tile, as before, rather than refusing
+        encode = picked if picked <= budget else encode
+    return encode
+
+
+def decode_memory(
+    lat_shape: tuple, chunk: int, tile=None, vae_dtype: str = "fp32", budget: int | None = None
+) -> int:
+    """Peak VRAM of a decode device of its own (play's --decode_device): the first-frame encode, then the VAE's
+    weights and a chunk's decode in the decoder's dtype (`vae_dtype`); `tile`, `budget` as `fast_memory`'s."""
+    _, lat_h, lat_w = lat_shape
+    fixed = tile if isinstance(tile, tuple) else None
+    decoding = VAE_BASE + decode_vram(chunk, lat_h, lat_w, fixed, chunked=True, vae_dtype=vae_dtype)
+    return max(decoding, first_frame_encode(lat_shape, tile, budget))
+
+
+def decode_fit_issue(lat_shape: tuple, chunk: int, tile, vae_dtype: str, free_vram: int | None) -> str | None:
+    """None when `decode_memory` fits `free_vram` (None: unknown), else one message with the figure and what
+    would fit."""
+    need = decode_memory(lat_shape, chunk, tile, vae_dtype, free_vram)
+    if free_vram is None or need <= free_vram:
+        return None
+    gib = 1 << 30
+    hint = "; a smaller --size"
+    if vae_dtype == "fp32" and decode_memory(lat_shape, chunk, tile, FIT_VAE_DTYPE, free_vram) <= free_vram:
+        hint = f"; would fit with --vae_dtype {FIT_VAE_DTYPE}"
+    return f"predicted peak {need / gib:.1f} GiB (the VAE and a chunk's decode, or the first-frame encode) is more than the {free_vram / gib:.1f} GiB free{hint}"
 
 
 def fast_fit_issue(
@@ -479,12 +520,16 @@ def fast_fit_issue(
     vae_dtype: str = "fp32",
     ranks: int = 1,
     decode: bool = True,
+    encode: bool = True,
+    overlap: bool = False,
 ) -> str | None:
     """None when the run fits `free_vram` and `free_ram` (None: unknown, e.g. the CPU); else one message
     with the predicted peak and the settings that would fit (the fast decoder, a window with a 3-frame
-    sink, fp8 K/V, block swap); `vae_dtype`, `ranks` and `decode` as `fast_memory`'s."""
+    sink, fp8 K/V, block swap); `vae_dtype`, `ranks`, `decode`, `encode` and `overlap` as `fast_memory`'s."""
     gib = 1 << 30
-    memory = functools.partial(fast_memory, ranks=ranks, decode=decode, budget=free_vram)
+    memory = functools.partial(
+        fast_memory, ranks=ranks, decode=decode, budget=free_vram, encode=encode, overlap=overlap
+    )
     files = chunked_model(files, quantize)
 
     def peak(config=config, swap=swap, vae_dtype=vae_dtype):
@@ -529,8 +574,8 @@ def fast_fit_issue(
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"
     return (
         f"predicted peak {need.peak / gib:.1f} GiB (model {need.model / gib:.1f}, attention caches "
-        f"{need.caches / gib:.1f}, chunk work (forward or decode) {need.work / gib:.1f}, condition "
-        f"{need.condition / gib:.1f}; "
-        f"first-frame encode of {frames} frames {need.encode / gib:.1f}) is more than the "
-        f"{free_vram / gib:.1f} GiB free{hint}"
+        f"{need.caches / gib:.1f}, chunk work (forward {'and' if need.overlap else 'or'} decode) "
+        f"{need.work / gib:.1f}, condition {need.condition / gib:.1f}"
+        + (f"; first-frame encode of {frames} frames {need.encode / gib:.1f}" if need.encode else "")
+        + f") is more than the {free_vram / gib:.1f} GiB free{hint}"
     )

@@ -16,13 +16,21 @@ The i2v condition (mask + the VAE latent of the image followed by zero frames) i
 first `CONDITION_FRAMES` latent frames; later latent frames reuse its last frame (the encoder's causal state
 after a long run of zero frames changes less and less from one latent frame to the next).
 
+Decoding runs in a worker thread (`DecodeWorker`, its own CUDA stream) on `decode_device` (default: the DiT's
+device), where the VAE lives: `step()` hands the chunk's latent over and returns, and with `overlap` the next
+chunk's input and DiT run while it decodes (at most one chunk in the decoder; the next one's hand-over waits for
+it). Without `overlap` (the default on one device: the two would share its memory) `step()` waits for its frames.
+Either way the frames, their poses and key stamps are the same.
+
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
-chunk, key->pixel latency (from a key or mouse event's arrival to the hand-out of the first frame of the
-latent frame it landed in) as p50/p95, and the device memory. Those are hand-out figures (the frames shown as
+chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key
+or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95, and
+the device memory. Those are hand-out figures (the frames shown as
 they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
 that paces the frames (session.pacer) measures key->pixel to the frame's show time.
 """
 
+import contextlib
 import functools
 import threading
 import time
@@ -39,7 +47,7 @@ from ..wan.camera_presets import DEFAULT_HFOV_DEG
 from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
 from ..wan.pipeline import frames_to_uint8
-from ..wan.vae import decode_dtype
+from ..wan.vae import ChunkDecoder, decode_dtype
 from . import fast_run
 from .controls import ChunkCamera, Controls
 from .planner import GIB, PROCESS_RAM, free_memory
@@ -63,8 +71,86 @@ def rollout_latent_frames(chunk: int) -> int:
     return ROPE_FRAMES - ROPE_FRAMES % chunk
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` is `cuda:0` here (the CLI's devices are not moved off it)."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
 def percentile(values, q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """A chunk for the decode worker: its latent on the decode device (ready once `ready` has passed)."""
+
+    decoder: ChunkDecoder
+    latent: torch.Tensor  # [16, n, h, w]
+    ready: object  # a torch.cuda.Event recorded after the latent's copy, or None on the CPU
+    rollout: int
+    first_latent: int  # the latent frame of the rollout its first one is
+    poses: list
+    keys: dict  # latent frame of the rollout -> arrival times of the events that landed in it
+
+
+class DecodeWorker:
+    """One thread that runs `work(job)` for each submitted job in order, under no_grad and, on a GPU, on its own
+    CUDA stream. `submit` waits until the previous job is done, so at most one is in hand; an exception in a
+    job is raised by the next `submit`, `wait` or `close`."""
+
+    def __init__(self, device: torch.device, work: Callable[[DecodeJob], None]):
+        self.work = work
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cond = threading.Condition()
+        self._job = self._error = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="lingbot-play-decode", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closing:
+                    self._cond.wait()
+                job = self._job
+            if job is None:
+                return
+            try:
+                stream = (
+                    torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+                )
+                with stream, torch.no_grad():
+                    self.work(job)
+            except BaseException as err:  # raised in the caller's thread
+                self._error = err
+            with self._cond:
+                self._job = None
+                self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until the job in hand is done; raises its exception."""
+        with self._cond:
+            while self._job is not None:
+                self._cond.wait()
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def submit(self, job: DecodeJob) -> None:
+        self.wait()
+        if not self._thread.is_alive():
+            raise RuntimeError("the decode worker has stopped")
+        with self._cond:
+            self._job = job
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish the job in hand, stop the thread (raises the job's exception)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.wait()
 
 
 class PlaySession:
@@ -89,6 +175,8 @@ class PlaySession:
         t5_mode: str = "subprocess",
         t5_device: str | None = None,
         condition_frames: int | None = None,
+        decode_device=None,
+        overlap: bool | None = None,
         on_frame: Callable[[PlayFrame], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
@@ -105,8 +193,12 @@ class PlaySession:
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
         self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
         self.files, self.device = files, torch.device(device)
+        # the VAE (encode and decode) lives on decode_device; decoding overlaps the DiT there by default
+        self.decode_device = self.device if decode_device is None else torch.device(decode_device)
+        self.apart = not same_device(self.device, self.decode_device)
+        self.overlap = self.apart if overlap is None else overlap
         self.quantize, self.swap, self.tile, self.area = quantize, swap, tile, area
-        self.vae_dtype, self._decode_dtype = vae_dtype, decode_dtype(vae_dtype, self.device)
+        self.vae_dtype, self._decode_dtype = vae_dtype, decode_dtype(vae_dtype, self.decode_device)
         self.t5_mode, self.t5_device = (
             t5_mode,
             t5_device or ("cpu" if self.device.type == "cpu" else str(device)),
@@ -119,7 +211,8 @@ class PlaySession:
         self._contexts: dict[str, torch.Tensor] = {}
         self._conditions: dict = {}
         self._vae = self._model = self._dit = None
-        self._session = self._camera = self._decoder = None
+        self._session = self._camera = self._decoder = self._worker = None
+        self._decoding = 0  # frames of the chunk in the decoder, not yet counted by step()
         self._prompt = self._pending_prompt = None
         self._restart = False
         self.image = None
@@ -128,10 +221,8 @@ class PlaySession:
         self.rollouts = 0
         self.chunks = 0
         self.chunk_seconds: list[float] = []
+        self.decode_seconds: list[float] = []
         self.latencies: list[float] = []
-        self._landed: dict[
-            int, list[float]
-        ] = {}  # latent frame of the rollout -> arrival times of its events
         self._played_from = None  # (time, frames) at the end of the first chunk
         self._last_frame_t = None
         self.poses: list[np.ndarray] = []  # the current rollout's latent poses
@@ -167,9 +258,18 @@ class PlaySession:
         """Latent frames the memory plan counts: the condition's, or the window's if longer (caches)."""
         return max(self.condition_frames, self.config.local_attn_size)
 
+    def _vae_where(self) -> dict:
+        """`fast_memory`'s figure of the DiT's device: with the VAE there (encode and decode, side by side with
+        the forward under `overlap`) or not."""
+        return {
+            "decode": not self.apart,
+            "encode": not self.apart,
+            "overlap": self.overlap and not self.apart,
+        }
+
     def memory(self, image: torch.Tensor) -> fast_run.FastMemory:
-        """The predicted memory (the condition's encode of `condition_frames` latent frames; the caches at the
-        window)."""
+        """The predicted memory of the DiT's device (the condition's encode of `condition_frames` latent frames;
+        the caches at the window); `decode_memory` gives the decode device's when it is another."""
         lat_f, lat_h, lat_w = self.lat_shape(image)
         return fast_run.fast_memory(
             self.files,
@@ -179,27 +279,46 @@ class PlaySession:
             self.swap,
             self.tile,
             self.vae_dtype,
+            **self._vae_where(),
         )
 
-    def check_memory(self, image: torch.Tensor) -> None:
-        """ValueError naming what would fit when the planner's figure is more than the device has free."""
-        if self.device.type != "cuda":
-            return
+    def decode_memory(self, image: torch.Tensor) -> int | None:
+        """The decode device's predicted peak (bytes), None when it is the DiT's (counted in `memory`)."""
+        if not self.apart:
+            return None
         _, lat_h, lat_w = self.lat_shape(image)
-        vram, ram = free_memory(self.device)
-        issue = fast_run.fast_fit_issue(
-            self.files,
-            (self._plan_frames(), lat_h, lat_w),
-            self.config,
-            self.quantize,
-            self.swap,
-            vram,
-            self.tile,
-            free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
-            vae_dtype=self.vae_dtype,
-        )
-        if issue is not None:
-            raise ValueError(f"memory: {issue}")
+        shape = (self._plan_frames(), lat_h, lat_w)
+        return fast_run.decode_memory(shape, self.chunk, self.tile, self.vae_dtype)
+
+    def check_memory(self, image: torch.Tensor) -> None:
+        """ValueError naming the device and what would fit when the planner's figure is more than it has free."""
+        _, lat_h, lat_w = self.lat_shape(image)
+        shape = (self._plan_frames(), lat_h, lat_w)
+        if self.device.type == "cuda":
+            vram, ram = free_memory(self.device)
+            issue = fast_run.fast_fit_issue(
+                self.files,
+                shape,
+                self.config,
+                self.quantize,
+                self.swap,
+                vram,
+                self.tile,
+                free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
+                vae_dtype=self.vae_dtype,
+                **self._vae_where(),
+            )
+            if issue is not None:
+                raise ValueError(
+                    f"memory on {self.device} (the DiT): {issue}" if self.apart else f"memory: {issue}"
+                )
+        if self.apart and self.decode_device.type == "cuda":
+            vram, _ = free_memory(self.decode_device)
+            issue = fast_run.decode_fit_issue(shape, self.chunk, self.tile, self.vae_dtype, vram)
+            if issue is not None:
+                raise ValueError(
+                    f"memory on {self.decode_device} (the decode device, where the VAE runs): {issue}"
+                )
 
     def _context(self, prompt: str) -> torch.Tensor:
         if prompt not in self._contexts:
@@ -220,7 +339,8 @@ class PlaySession:
                 self._vae = self._load_vae()
             frames = (self.condition_frames - 1) * VAE_STRIDE[0] + 1
             encode = functools.partial(self._vae.encode, tile=self.tile)
-            self._conditions = {key: fast_run.condition(self.image, encode, frames, self.size, self.device)}
+            y = fast_run.condition(self.image, encode, frames, self.size, self.decode_device)
+            self._conditions = {key: y.to(self.device)}
         return self._conditions[key]
 
     def start(self, image: torch.Tensor, prompt: str) -> None:
@@ -234,11 +354,13 @@ class PlaySession:
         y = self._condition()
         if self._dit is None:
             self._dit = self._load_dit()
+        if self._worker is None:
+            self._worker = DecodeWorker(self.decode_device, self._decode)
         self._new_rollout(context, y)
 
     # what a front end with its own model management replaces (the ComfyUI node)
     def _load_vae(self):
-        return load_vae(self.files.vae, self.device)
+        return load_vae(self.files.vae, self.decode_device)
 
     def _load_dit(self):
         self._model = fast_run.FastModel(
@@ -264,11 +386,12 @@ class PlaySession:
         self._camera = ChunkCamera(self.size, intr, self.chunk, device=self.device)
         self.intrinsics_used = self._camera.intrinsics
         self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype)
-        self._landed = {}
         self.poses = []
         self.rollouts += 1
 
     def _end_rollout(self) -> None:
+        if self._worker is not None:
+            self._worker.wait()  # the rollout's last chunk is handed out before its decoder goes
         if self._camera is not None and self._camera.track.video:
             self.paths.append(np.stack(self._camera.track.video))
         if self._session is not None:
@@ -302,38 +425,60 @@ class PlaySession:
         first_latent = len(self._camera.track.poses)
         n = self._camera.slots_needed()
         slots = self.controls.slots(t0, n)
+        keys: dict[int, list[float]] = {}
         for t, slot in self.controls.landed:
-            self._landed.setdefault(first_latent + (first_latent == 0) + slot, []).append(t)
+            keys.setdefault(first_latent + (first_latent == 0) + slot, []).append(t)
         cam, poses = self._camera.next(slots)
         self.poses.extend(poses)
-        latent = self._session.next_chunk(cam)
-        made = 0
-        for i in range(latent.shape[1]):
-            video = self._decoder.decode(latent[:, i : i + 1])
-            pose = poses[i]
-            for frame in frames_to_uint8(video):
-                self._hand_out(first_latent + i, frame, pose)
-                made += 1
+        latent = self._session.next_chunk(cam).to(self.decode_device)
+        ready = None
+        if self.decode_device.type == "cuda":  # the worker's stream starts after the DiT's work and the copy
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.decode_device))
+        job = DecodeJob(self._decoder, latent, ready, self.rollouts - 1, first_latent, poses, keys)
+        self._worker.submit(job)  # waits while the previous chunk is in the decoder
+        count = VAE_STRIDE[0] * latent.shape[1] - (VAE_STRIDE[0] - 1) * (first_latent == 0)
+        made, self._decoding = self._decoding, count  # with overlap: the previous chunk's frames
+        if not self.overlap:
+            self._worker.wait()
+            made, self._decoding = count, 0
         self.chunks += 1
-        now = self.clock()
-        self.chunk_seconds.append(now - t0)
-        if self._played_from is None:
-            self._played_from = (now, self.frames)
+        self.chunk_seconds.append(self.clock() - t0)
         return made
 
-    def _hand_out(self, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
-        keys = tuple(self._landed.pop(latent, ()))
+    def _decode(self, job: DecodeJob) -> None:
+        """The worker's part of a chunk: decode it latent frame by latent frame and hand each frame out."""
+        if job.ready is not None:
+            job.ready.synchronize()
+        t0 = self.clock()
+        for i in range(job.latent.shape[1]):
+            video = job.decoder.decode(job.latent[:, i : i + 1])
+            for frame in frames_to_uint8(video):
+                self._hand_out(job, job.first_latent + i, frame, job.poses[i])
+        now = self.clock()
+        self.decode_seconds.append(now - t0)
+        if self._played_from is None:
+            self._played_from = (now, self.frames)
+
+    def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
+        keys = tuple(job.keys.pop(latent, ()))
         if self.on_frame is not None:
-            self.on_frame(PlayFrame(self.frames, self.rollouts - 1, latent, frame, pose, keys))
+            self.on_frame(PlayFrame(self.frames, job.rollout, latent, frame, pose, keys))
         now = self.clock()
         self.latencies.extend(now - t for t in keys)
         self.frames += 1
         self._last_frame_t = now
 
     def run(self, stop: threading.Event) -> None:
-        """Chunk after chunk until `stop` is set."""
+        """Chunk after chunk until `stop` is set; returns once the last chunk's frames are handed out."""
         while not stop.is_set():
             self.step()
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait until the chunk in the decoder is handed out (raises the decode's exception)."""
+        if self._worker is not None:
+            self._worker.wait()
 
     # --- report and teardown ----------------------------------------------------------------------------
 
@@ -344,18 +489,22 @@ class PlaySession:
             if self._last_frame_t > t and self.frames > frames:
                 fps = (self.frames - frames) / (self._last_frame_t - t)
         steady = self.chunk_seconds[1:] or self.chunk_seconds
+        decode = self.decode_seconds[1:] or self.decode_seconds
         vram = None
         if self.device.type == "cuda":
             vram = {
                 "allocated_gib": torch.cuda.memory_allocated(self.device) / GIB,
                 "peak_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
             }
+            if self.apart and self.decode_device.type == "cuda":
+                vram["decode_peak_gib"] = torch.cuda.max_memory_allocated(self.decode_device) / GIB
         return {
             "frames": self.frames,
             "chunks": self.chunks,
             "rollouts": self.rollouts,
             "fps_played": fps,
             "s_per_chunk": float(np.mean(steady)) if steady else None,
+            "decode_s_per_chunk": float(np.mean(decode)) if decode else None,
             "key_to_pixel_p50_s": percentile(self.latencies, 50),
             "key_to_pixel_p95_s": percentile(self.latencies, 95),
             "key_events_measured": len(self.latencies),
@@ -364,16 +513,24 @@ class PlaySession:
         }
 
     def close(self) -> None:
-        """Free the caches, the model and the VAE (idempotent)."""
+        """Hand out the chunk in the decoder, stop the worker, free the caches, the model and the VAE on both
+        devices (idempotent; raises the decode's exception once everything is freed)."""
         self.closed = True
-        self._end_rollout()
-        if self._dit is not None or self._vae is not None:
-            self._release()
-        self._model = self._dit = self._vae = None
-        self._conditions = {}
-        self._contexts = {}
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        worker, self._worker = self._worker, None
+        try:
+            if worker is not None:
+                worker.close()
+        finally:
+            self._end_rollout()
+            if self._dit is not None or self._vae is not None:
+                self._release()
+            self._model = self._dit = self._vae = None
+            self._conditions = {}
+            self._contexts = {}
+            for device in {self.device, self.decode_device}:
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        torch.cuda.empty_cache()
 
 
 class PlayRecorder:

@@ -124,6 +124,7 @@ class PlayServer:
                 made = self.session.step()
                 self.pacer.produced(self.session.chunk_seconds[-1], made)
                 self.pacer.push(json.dumps({"type": "stats", **self.stats_now()}), frame=False)
+            self.session.flush()  # the last chunk's frames, still in the decoder, go out before the pacer stops
         except BaseException as err:  # reported by serve(); the clients are told
             self.error = err
             self.pacer.push(

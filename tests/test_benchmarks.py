@@ -480,6 +480,7 @@ def test_bench_play(tmp_path):
     assert s["frames_received"] == 61 and s["chunks"] >= 4 and len(s["chunk_s"]) == s["chunks"]
     assert s["fps_played"] > 0 and s["client_fps"] > 0
     assert s["s_per_chunk"] == pytest.approx(sum(s["chunk_s"][1:]) / (s["chunks"] - 1), rel=1e-3)
+    assert len(s["decode_s"]) == s["chunks"] and s["decode_s_per_chunk"] > 0 and s["overlap"] is False
     assert s["key_events_measured"] >= 1 and s["key_to_pixel_p50_s"] <= s["key_to_pixel_p95_s"]
     assert s["client_keys_seen"] >= 1
     # paced: the figures as shown are there too

@@ -1,5 +1,8 @@
 """Live play's session (session.play) on the tiny Fast checkpoint: headless, a scripted clock and keys."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -129,3 +132,117 @@ def test_play_restarts_without_reloading(fast_ckpt, image, monkeypatch):
 def test_play_refuses_an_unbounded_cache(fast_ckpt):
     with pytest.raises(ValueError, match="local_attn_size: play runs without end"):
         make_session(fast_ckpt, [], Clock(), local_attn_size=-1)
+
+
+def play_script(fast_ckpt, image, **kw):
+    """Three chunks with keys, a restart before the third: (frames, step() counts, session)."""
+    clock, frames = Clock(), []
+    session = make_session(fast_ckpt, frames, clock, **kw)
+    counts = []
+    try:
+        session.start(image, "a castle")
+        session.key("KeyW", True, 0.6)
+        clock.t = 1.0
+        counts.append(session.step())
+        session.key("KeyW", False, 1.2)
+        session.key("ArrowRight", True, 1.2)
+        clock.t = 2.0
+        counts.append(session.step())
+        session.restart()  # while chunk 1 may still be in the decoder
+        session.key("ArrowRight", False, 2.5)
+        clock.t = 3.0
+        counts.append(session.step())
+        session.flush()
+    finally:
+        session.close()
+    return frames, counts, session
+
+
+def decode_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "lingbot-play-decode" and t.is_alive()]
+
+
+def test_play_decode_worker_hands_out_the_serial_frames(fast_ckpt, image):
+    """The decode overlapping the next chunk (`overlap`) hands out exactly the frames, indices, poses and key
+    stamps of the synchronous hand-off, a restart included; step() then counts the previous chunk's frames."""
+    serial, serial_counts, _ = play_script(fast_ckpt, image, overlap=False)
+    frames, counts, session = play_script(fast_ckpt, image, overlap=True)
+    assert serial_counts == [9, 12, 9] and counts == [0, 9, 12]
+    assert len(frames) == len(serial) == 30 and [f.index for f in frames] == list(range(30))
+    assert [f.rollout for f in frames] == [0] * 21 + [1] * 9
+    for a, b in zip(frames, serial, strict=True):
+        assert (a.index, a.rollout, a.latent, a.keys) == (b.index, b.rollout, b.latent, b.keys)
+        assert torch.equal(a.image, b.image) and np.array_equal(a.pose, b.pose)
+    assert sum(len(f.keys) for f in frames) == 4  # W down/up, right down/up
+    assert len(session.decode_seconds) == 3 and session.stats()["decode_s_per_chunk"] is not None
+    assert session.closed and not decode_threads()
+
+
+def test_play_decode_worker_backpressure_errors_and_close(fast_ckpt, image):
+    """The DiT runs at most one chunk ahead of the decoder; an exception in the decode (here the frame callback)
+    stops `run()` in the caller; close() leaves no decode thread."""
+    gate, seen = threading.Event(), []
+
+    def on_frame(frame):
+        gate.wait()
+        if frame.index == 10:
+            raise RuntimeError("boom in the decode")
+        seen.append(frame.index)
+
+    session = make_session(fast_ckpt, [], Clock(), overlap=True)
+    session.on_frame = on_frame
+    try:
+        session.start(image, "a castle")
+        assert session.step() == 0  # chunk 0 is in the decoder, held at its first frame
+        errors = []
+
+        def play():
+            try:
+                session.run(threading.Event())
+            except RuntimeError as err:
+                errors.append(err)
+
+        player = threading.Thread(target=play)
+        player.start()
+        deadline = time.monotonic() + 600
+        while session.rollout_chunk < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # chunk 1's DiT ran beside chunk 0's decode; its hand-over waits for the decoder
+        assert session.rollout_chunk == 2 and player.is_alive() and seen == [] and session.chunks == 1
+        gate.set()
+        player.join(600)
+        assert not player.is_alive() and [str(e) for e in errors] == ["boom in the decode"]
+        assert seen == list(range(10))  # chunk 0's 9 frames and chunk 1's first, in order
+    finally:
+        gate.set()
+        session.close()
+    assert not decode_threads() and session._model is None and session._vae is None
+
+
+def test_play_plans_the_decode_device_apart(fast_ckpt, image, monkeypatch):
+    """--decode_device: the DiT's device is planned without the VAE, the decode device with the VAE and a
+    chunk's decode; a refusal names the device that would not fit. On one device with `overlap` the forward
+    and the decode are counted together."""
+    files = resolve_fast_dir(fast_ckpt)
+    kw = {"area": 64 * 112, "condition_frames": 4}
+    apart = play.PlaySession(files, "cuda:0", decode_device="cuda:1", **kw)
+    alone = play.PlaySession(files, "cuda:0", **kw)
+    assert apart.overlap and not alone.overlap
+    need, same = apart.memory(image), alone.memory(image)
+    assert need.encode == 0 and need.work_decode == 0 and need.work == need.work_forward
+    assert same.encode > 0 and same.work_decode > 0 and same.work == max(same.work_forward, same.work_decode)
+    decode = apart.decode_memory(image)
+    assert decode > same.work_decode and alone.decode_memory(image) is None
+    both = play.PlaySession(files, "cuda:0", overlap=True, **kw).memory(image)
+    assert both.work == both.work_forward + both.work_decode
+
+    free = {}
+    monkeypatch.setattr(play, "free_memory", lambda device: (free[device.index], None))
+    free.update({0: need.peak, 1: decode - 1})
+    with pytest.raises(ValueError, match=r"^memory on cuda:1 \(the decode device, where the VAE runs\)"):
+        apart.check_memory(image)
+    free.update({0: need.peak - 1, 1: decode})
+    with pytest.raises(ValueError, match=r"^memory on cuda:0 \(the DiT\): predicted peak"):
+        apart.check_memory(image)
+    free.update({0: need.peak, 1: decode})
+    apart.check_memory(image)

@@ -130,6 +130,23 @@ def test_busy_port_is_refused_before_loading(fast_ckpt, shipped_example, busy_po
     assert f"--port: cannot listen on 127.0.0.1:{busy_port}" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cuda:7", "--decode_device cuda:7: "),  # no such GPU (none at all, or fewer)
+        ("meta", "--decode_device: only cpu and cuda are supported, got 'meta'"),
+        ("gpu:1", "--decode_device: expected cpu, cuda or cuda:N, got 'gpu:1'"),
+    ],
+)
+def test_bad_decode_device_is_refused_before_loading(
+    fast_ckpt, shipped_example, device, message, capsys, nothing_loads
+):
+    assert cli.main(play_args(fast_ckpt, shipped_example, "--decode_device", device, "--port", "0")) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("--decode_device") == 1 + err.count("or use --decode_device")
+    assert "Traceback" not in err
+
+
 def test_other_host_warns_loudly(fast_ckpt, shipped_example, capsys, nothing_loads):
     """--host other than loopback: a warning before anything else (here the port is busy on all addresses
     too, so the run stops there)."""

@@ -179,6 +179,8 @@ def main() -> int:
         except BaseException as err:
             result["error"] = err
 
+    if device.type == "cuda":
+        torch.cuda.init()  # before reading a second card's counters
     for d in {device, session.decode_device}:
         if d.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)

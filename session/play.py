@@ -7,6 +7,9 @@ the chunk's camera poses, the DiT denoises the chunk (`wan.fast.FastSession` in 
 is decoded one latent frame at a time, each frame handed to `on_frame(PlayFrame)` as soon as it exists: a
 rollout's first latent frame gives 1 frame, every later one 4.
 
+With compiled blocks (`compile`), `start` first plays the chunks up to the attention window's first roll unseen
+(the blocks compile there) and then starts the rollout over, so the picture never stops mid-play to compile.
+
 A rollout restarts from the image (new caches, same model) on `restart()` or when its latent frames reach the
 RoPE table's length; `set_prompt` applies from the next chunk. The attention window bounds the caches of an
 endless rollout, so play needs one (`--local_attn_size`; models documented without one play at
@@ -217,6 +220,12 @@ class PlaySession:
         self._restart = False
         self.image = None
         self.size = None
+        self._warmed = self._quiet = False
+        self._reset_counters()
+        self.intrinsics_used = None
+        self.closed = False
+
+    def _reset_counters(self) -> None:
         self.frames = 0
         self.rollouts = 0
         self.chunks = 0
@@ -227,8 +236,6 @@ class PlaySession:
         self._last_frame_t = None
         self.poses: list[np.ndarray] = []  # the current rollout's latent poses
         self.paths: list[np.ndarray] = []  # each finished rollout's c2w per played video frame
-        self.intrinsics_used = None
-        self.closed = False
 
     # --- input (any thread) -------------------------------------------------------------------------------
 
@@ -357,6 +364,32 @@ class PlaySession:
         if self._worker is None:
             self._worker = DecodeWorker(self.decode_device, self._decode)
         self._new_rollout(context, y)
+        if self.warm_chunks:
+            self._warm_up(context, y)
+
+    @property
+    def warm_chunks(self) -> int:
+        """Chunks `start` plays unseen first with compiled blocks: they compile at the first chunk that rolls
+        the attention window, which would otherwise freeze the picture mid-play."""
+        if not self.config.compile or self._warmed:
+            return 0
+        return min(
+            self.config.local_attn_size // self.chunk + 1, rollout_latent_frames(self.chunk) // self.chunk
+        )
+
+    def _warm_up(self, context, y) -> None:
+        self._quiet = True
+        try:
+            for _ in range(self.warm_chunks):
+                self.step()
+            self.flush()
+        finally:
+            self._quiet = False
+        self._warmed = True
+        self._end_rollout()
+        self._reset_counters()  # then the rollout, its seed and the figures start as in a session without it
+        self.controls = Controls(self.controls.mode, t0=self.clock())
+        self._new_rollout(context, y)
 
     # what a front end with its own model management replaces (the ComfyUI node)
     def _load_vae(self):
@@ -462,7 +495,7 @@ class PlaySession:
 
     def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
         keys = tuple(job.keys.pop(latent, ()))
-        if self.on_frame is not None:
+        if self.on_frame is not None and not self._quiet:
             self.on_frame(PlayFrame(self.frames, job.rollout, latent, frame, pose, keys))
         now = self.clock()
         self.latencies.extend(now - t for t in keys)

@@ -246,3 +246,34 @@ def test_play_plans_the_decode_device_apart(fast_ckpt, image, monkeypatch):
         apart.check_memory(image)
     free.update({0: need.peak, 1: decode})
     apart.check_memory(image)
+
+
+def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(fast_ckpt, image, monkeypatch):
+    """With compile, start() first plays the chunks up to the window's first roll (where the blocks compile)
+    without handing anything out, then starts over: the frames, their indices, rollouts, poses, key stamps
+    and figures are those of a session without the warm-up (its first chunks run uncompiled)."""
+    from lingbot_world.wan import speed
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
+    monkeypatch.setattr(
+        speed, "_chunk_blocks", speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
+    )
+    try:
+        plain, plain_counts, _ = play_script(fast_ckpt, image)
+        frames, counts, session = play_script(fast_ckpt, image, compile=True)
+    finally:
+        torch._dynamo.reset()
+    assert graphs  # the warm-up reached the roll and compiled the blocks
+    assert session.warm_chunks == 0 and counts == plain_counts == [9, 12, 9]
+    assert session.chunks == 3 and session.rollouts == 2 and len(session.chunk_seconds) == 3
+    assert len(frames) == len(plain) == 30
+    for a, b in zip(frames, plain, strict=True):
+        assert (a.index, a.rollout, a.latent, a.keys) == (b.index, b.rollout, b.latent, b.keys)
+        assert torch.equal(a.image, b.image) and np.array_equal(a.pose, b.pose)

@@ -27,7 +27,7 @@ the rate from the second) and the wait the pacer added (`pace_delay_*`). The fig
     python benchmarks/bench_play.py --scale tiny --workdir /tmp/bench_play_tiny               # CPU check
     python benchmarks/bench_play.py ... --no_pace                              # frames as they are made
     python benchmarks/bench_play.py ... --decode_device cuda:1        # the decode on a second GPU, overlapped
-    python benchmarks/bench_play.py ... --overlap                     # overlapped on the DiT's GPU (own stream)
+    python benchmarks/bench_play.py ... --overlap off                 # one GPU, the decode after the DiT
 """
 
 import argparse
@@ -137,7 +137,12 @@ def main() -> int:
     ap.add_argument("--no_pace", action="store_true", help="send each frame as it is made (no pacer)")
     ap.add_argument("--compile", action="store_true", help="compile the DiT's chunk forward")
     ap.add_argument("--decode_device", help="the VAE's device, e.g. cuda:1 (default: the DiT's)")
-    ap.add_argument("--overlap", action="store_true", help="overlap the decode with the DiT on one device")
+    ap.add_argument(
+        "--overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the decode beside the next chunk's DiT on one device (auto: where the memory plan fits both)",
+    )
     args = ap.parse_args()
     full = args.scale == "full"
     if full and not torch.cuda.is_available():
@@ -164,7 +169,7 @@ def main() -> int:
         condition_frames=play.CONDITION_FRAMES if full else 4,
         compile=args.compile,
         decode_device=args.decode_device,
-        overlap=args.overlap or None,
+        overlap={"on": True, "off": False}.get(args.overlap),
     )
     g = torch.Generator().manual_seed(0)
     image = torch.rand(3, h, w, generator=g) * 2 - 1

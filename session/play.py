@@ -22,7 +22,8 @@ after a long run of zero frames changes less and less from one latent frame to t
 Decoding runs in a worker thread (`DecodeWorker`, its own CUDA stream) on `decode_device` (default: the DiT's
 device), where the VAE lives: `step()` hands the chunk's latent over and returns, and with `overlap` the next
 chunk's input and DiT run while it decodes (at most one chunk in the decoder; the next one's hand-over waits for
-it). Without `overlap` (the default on one device: the two would share its memory) `step()` waits for its frames.
+it). On one GPU the two share its memory: `overlap` None (the default) turns it on there when the memory plan
+fits the forward and the decode side by side (`check_memory`), else `step()` waits for its frames.
 Either way the frames, their poses and key stamps are the same.
 
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
@@ -196,10 +197,11 @@ class PlaySession:
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
         self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
         self.files, self.device = files, torch.device(device)
-        # the VAE (encode and decode) lives on decode_device; decoding overlaps the DiT there by default
+        # the VAE (encode and decode) lives on decode_device
         self.decode_device = self.device if decode_device is None else torch.device(decode_device)
         self.apart = not same_device(self.device, self.decode_device)
-        self.overlap = self.apart if overlap is None else overlap
+        # overlap None: on another device always; on the same GPU when the plan fits both (`check_memory`)
+        self.overlap, self._overlap_auto = self.apart if overlap is None else bool(overlap), overlap is None
         self.quantize, self.swap, self.tile, self.area = quantize, swap, tile, area
         self.vae_dtype, self._decode_dtype = vae_dtype, decode_dtype(vae_dtype, self.decode_device)
         self.t5_mode, self.t5_device = (
@@ -303,18 +305,25 @@ class PlaySession:
         shape = (self._plan_frames(), lat_h, lat_w)
         if self.device.type == "cuda":
             vram, ram = free_memory(self.device)
-            issue = fast_run.fast_fit_issue(
-                self.files,
-                shape,
-                self.config,
-                self.quantize,
-                self.swap,
-                vram,
-                self.tile,
-                free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
-                vae_dtype=self.vae_dtype,
-                **self._vae_where(),
-            )
+
+            def fit_issue():
+                return fast_run.fast_fit_issue(
+                    self.files,
+                    shape,
+                    self.config,
+                    self.quantize,
+                    self.swap,
+                    vram,
+                    self.tile,
+                    free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
+                    vae_dtype=self.vae_dtype,
+                    **self._vae_where(),
+                )
+
+            if self._overlap_auto and not self.apart:  # overlap on one GPU where both fit side by side
+                self.overlap = True
+                self.overlap = fit_issue() is None
+            issue = fit_issue()
             if issue is not None:
                 raise ValueError(
                     f"memory on {self.device} (the DiT): {issue}" if self.apart else f"memory: {issue}"

@@ -247,6 +247,25 @@ def test_play_plans_the_decode_device_apart(fast_ckpt, image, monkeypatch):
     free.update({0: need.peak, 1: decode})
     apart.check_memory(image)
 
+    # one GPU, overlap left to the plan: on where the forward and the decode fit side by side, else serial
+    asked, real_issue = [], play.fast_run.fast_fit_issue
+
+    def fit_issue(*args, overlap, **kw):
+        asked.append(overlap)
+        return "too big" if overlap and tight[0] else real_issue(*args, overlap=overlap, **kw)
+
+    monkeypatch.setattr(play.fast_run, "fast_fit_issue", fit_issue)
+    free[0] = 1 << 40
+    tight = [False]
+    for tight[0], expected in ((False, True), (True, False)):
+        asked.clear()
+        alone.check_memory(image)
+        assert alone.overlap is expected and asked == [True, expected]
+    explicit = play.PlaySession(files, "cuda:0", overlap=False, **kw)
+    asked.clear()
+    explicit.check_memory(image)
+    assert not explicit.overlap and asked == [False]
+
 
 def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(fast_ckpt, image, monkeypatch):
     """With compile, start() first plays the chunks up to the window's first roll (where the blocks compile)

@@ -77,17 +77,30 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def broadcast_tensors(tensors: list[torch.Tensor] | None, device) -> list[torch.Tensor]:
-    """Rank 0's `tensors` (others pass None) on every rank, on `device` (shapes and dtypes sent first)."""
-    meta = [[(t.shape, t.dtype) for t in tensors] if rank() == 0 else None]
-    dist.broadcast_object_list(meta, src=0)
+class PeerLost(RuntimeError):
+    """This rank waited for rank 0, which failed, was stopped or timed out (said without a traceback)."""
+
+
+def broadcast_message(
+    message, tensors: list[torch.Tensor] | None, device
+) -> tuple[object, list[torch.Tensor]]:
+    """Rank 0's `message` (small, picklable) and `tensors` on every rank (the others pass None for both), the
+    tensors on `device`: one object broadcast (the message, shapes and dtypes), then one per tensor."""
+    lead = rank() == 0
+    meta = [(message, [(t.shape, t.dtype) for t in tensors]) if lead else None]
+    device = torch.device(device)
+    # this rank's GPU for the pickled object: a thread other than the one process_group set it in (the
+    # play loop's) would otherwise use cuda:0 on every rank
+    dist.broadcast_object_list(meta, src=0, device=device if device.type == "cuda" else None)
+    message, specs = meta[0]
     out = []
-    for i, (shape, dtype) in enumerate(meta[0]):
-        t = (
-            tensors[i].to(device).contiguous()
-            if rank() == 0
-            else torch.empty(shape, dtype=dtype, device=device)
-        )
+    for i, (shape, dtype) in enumerate(specs):
+        t = tensors[i].to(device).contiguous() if lead else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(t, src=0)
         out.append(t)
-    return out
+    return message, out
+
+
+def broadcast_tensors(tensors: list[torch.Tensor] | None, device) -> list[torch.Tensor]:
+    """Rank 0's `tensors` (others pass None) on every rank, on `device` (shapes and dtypes sent first)."""
+    return broadcast_message(None, tensors, device)[1]

@@ -174,3 +174,13 @@ def test_a_follower_whose_rank_0_vanishes_stops_with_a_clear_error(fast_ckpt, sh
     follower = torch.load(tmp_path / "rank1.pt", weights_only=False)
     assert "rank 0 ended without a stop" in follower["error"] and follower["chunks"] == 1
     assert follower["closed"] is True
+
+
+def test_play_plans_each_ranks_share_and_refuses_compile_under_sequence_parallel(fast_ckpt, image):
+    """Under N ranks the memory plan is per GPU (each holds its share of the attention cache); compile is
+    refused before anything loads, as `fast` refuses it."""
+    one = make_session(fast_ckpt, [], Clock()).memory(image)
+    two = make_session(fast_ckpt, [], Clock(), ranks=2).memory(image)
+    assert two.caches < one.caches and two.model == one.model  # every rank holds the whole model
+    with pytest.raises(ValueError, match="compile: not with sequence parallel"):
+        make_session(fast_ckpt, [], Clock(), ranks=2, compile=True)

@@ -259,3 +259,17 @@ def test_bad_play_flags_fail_before_loading(fast_ckpt, shipped_example, capsys, 
         assert cli.main(play_args(fast_ckpt, shipped_example, *extra)) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_play_refuses_a_degree_that_does_not_split_the_heads(
+    fast_ckpt, shipped_example, capsys, nothing_loads
+):
+    """--ulysses_size is checked as `fast` checks it, before anything loads: a degree that does not divide the
+    tiny DiT's 4 heads names those that do; a good one outside torchrun says how to launch it."""
+    assert cli.main(play_args(fast_ckpt, shipped_example, "--ulysses_size", "3")) == 2
+    err = capsys.readouterr().err
+    assert "--ulysses_size 3 must divide the model's 4 attention heads (1, 2, 4)" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert cli.main(play_args(fast_ckpt, shipped_example, "--ulysses_size", "2")) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc_per_node 2" in err and "Traceback" not in err

@@ -25,6 +25,14 @@ the rate from the second) and the wait the pacer added (`pace_delay_*`). The fig
     python benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model fast
     python benchmarks/bench_play.py --scale tiny --workdir /tmp/bench_play_tiny               # CPU check
     python benchmarks/bench_play.py ... --no_pace                              # frames as they are made
+
+Sequence parallel (one host, N GPUs; rank 0 builds the checkpoint while the others wait, then serves, drives
+the scripted client and prints the JSON, with each rank's peak VRAM; the others follow its chunks):
+
+    torchrun --nproc_per_node 4 benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model v2-14b \
+        --ulysses_size 4 --t5_cpu --vae_dtype fp16
+    torchrun --nproc_per_node 2 benchmarks/bench_play.py --scale tiny --workdir /tmp/bench_play_tiny \
+        --ulysses_size 2                                                        # CPU check (gloo)
 """
 
 import argparse
@@ -37,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -47,7 +56,8 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir  # noqa: E402
-from lingbot_world.session import play, play_server  # noqa: E402
+from lingbot_world.session import distributed, play, play_server  # noqa: E402
+from lingbot_world.wan.parallel import heads_issue  # noqa: E402
 
 # (seconds into the script, message): walk, turn, strafe, mouse look, run
 SCRIPT = [
@@ -122,6 +132,9 @@ def main() -> int:
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
     ap.add_argument("--workdir", type=Path, required=True, help="where the random checkpoint is written once")
     ap.add_argument("--model", choices=["v2-1.3b", "v2-14b", "fast"], default="v2-1.3b")
+    ap.add_argument(
+        "--ulysses_size", type=int, default=1, help="sequence parallel over N GPUs (under torchrun, N ranks)"
+    )
     ap.add_argument("--chunks", type=int, default=None, help="chunks to play (full: 24; tiny: 4)")
     ap.add_argument("--size", default=None, help="H*W pixel area (full: 480*832 -> 464x832; tiny: 64*112)")
     ap.add_argument("--local_attn_size", type=int, default=18)
@@ -136,14 +149,33 @@ def main() -> int:
     full = args.scale == "full"
     if full and not torch.cuda.is_available():
         raise SystemExit("--scale full needs a CUDA GPU")
-    device = torch.device("cuda" if full else "cpu")
+    try:
+        ranks = distributed.requested_size(args.ulysses_size, "none")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    with distributed.process_group(ranks, "cuda" if full else "cpu") as device:
+        return bench(args, torch.device(device), ranks)
+
+
+def peak_vram_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def bench(args, device: torch.device, ranks: int) -> int:
+    full, lead = args.scale == "full", distributed.rank() == 0
     chunks = args.chunks or (24 if full else 4)
     h, w = (480, 832) if full else (64, 112)
     if args.size:
         h, w = (int(v) for v in args.size.split("*"))
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if ranks > 1 and not lead:
+        dist.barrier()  # rank 0 builds the checkpoint first
     ckpt, assets = build_fast_checkpoint(args.workdir, args.model, args.scale)
+    if ranks > 1 and lead:
+        dist.barrier()
     files = resolve_fast_dir(ckpt, args.model, assets)
+    if heads_issue(ranks, files.config.num_heads):
+        raise SystemExit(f"--{heads_issue(ranks, files.config.num_heads)}")
     session = play.PlaySession(
         files,
         device,
@@ -156,7 +188,15 @@ def main() -> int:
         t5_mode="subprocess" if full else "inprocess",
         t5_device="cpu" if args.t5_cpu else None,
         condition_frames=play.CONDITION_FRAMES if full else 4,
+        ranks=ranks,
     )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peaks = [None] * ranks
+    if not lead:  # the DiT's share of every chunk, until rank 0's session ends
+        session.follow()
+        dist.all_gather_object(peaks, peak_vram_gib(device))
+        return 0
     g = torch.Generator().manual_seed(0)
     image = torch.rand(3, h, w, generator=g) * 2 - 1
     server = play_server.PlayServer(
@@ -170,8 +210,6 @@ def main() -> int:
         except BaseException as err:
             result["error"] = err
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -181,6 +219,9 @@ def main() -> int:
     key_period = args.key_period or (1.0 if full else 0.5)
     seen = asyncio.run(client(server.url, frames, key_period))
     thread.join(600)
+    peaks[0] = peak_vram_gib(device)
+    if ranks > 1:
+        dist.all_gather_object(peaks, peaks[0])
     if "error" in result:
         raise result["error"]
     stats = result["stats"]
@@ -226,7 +267,9 @@ def main() -> int:
         "client_gap_p50_s": play.percentile(gaps, 50),
         "client_gap_p95_s": play.percentile(gaps, 95),
         "client_gap_max_s": float(gaps.max()) if len(gaps) else None,
-        "peak_vram_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_vram_gib": peaks[0],
+        "ulysses_size": ranks,
+        "peak_vram_gib_per_rank": peaks,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(summary))

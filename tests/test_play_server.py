@@ -3,9 +3,11 @@
 import asyncio
 import contextlib
 import json
+import os
 import re
 import socket
 import threading
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -273,3 +275,49 @@ def test_play_refuses_a_degree_that_does_not_split_the_heads(
     assert cli.main(play_args(fast_ckpt, shipped_example, "--ulysses_size", "2")) == 2
     err = capsys.readouterr().err
     assert "torchrun --nproc_per_node 2" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_play_under_torchrun_stops_every_rank(fast_ckpt, shipped_example, tmp_path):
+    """`torchrun --nproc_per_node 2 lingbot.py play ... --ulysses_size 2`: rank 0 alone announces the page and
+    serves frames (of chunks both ranks ran); closing the controlling socket ends both ranks cleanly."""
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    args = play_args(fast_ckpt, shipped_example, "--port", "0", "--ulysses_size", "2")
+    script = str(Path(cli.__file__).resolve().parent / "lingbot.py")
+    env = {**os.environ, "LINGBOT_WORLD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [*launch, str(free_port()), script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        url = None
+        for line in proc.stdout:
+            found = re.search(r"play: open (http://\S+/)", line)
+            if found:
+                url = found[1]
+                break
+        assert url, proc.stderr.read()[-3000:]
+
+        async def client():
+            async with aiohttp.ClientSession() as http:
+                ws = await http.ws_connect(url + "ws")
+                await ws.send_str(json.dumps({"type": "key", "key": "KeyW", "down": True}))
+                frames = await frames_until(ws, 21, [])
+                await ws.close()
+                return frames
+
+        frames = asyncio.run(client())
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert [f[0] for f in frames] == list(range(21))
+    assert out.count("play ended (the controlling client left)") == 1 and "Traceback" not in err

@@ -3,7 +3,8 @@
 `torchrun --nproc_per_node N lingbot.py generate ... --ulysses_size N` (or `--parallel auto`, which takes
 N from torchrun's WORLD_SIZE) starts N copies of the CLI; `process_group` joins them (NCCL on CUDA with
 one GPU per rank, cuda:LOCAL_RANK; gloo on the CPU) with a timeout, so a rank that dies cannot leave the
-others waiting forever, and destroys the group on the way out, error or not.
+others waiting forever, and destroys the group on the way out, error or not. `fast` and `play` run the same
+way (`play`: rank 0 sends the others each chunk's order with `broadcast_message`, see session.play).
 """
 
 import contextlib

@@ -341,9 +341,9 @@ class PlaySession:
             self._landed.setdefault(first_latent + (first_latent == 0) + slot, []).append(t)
         cam, poses = self._camera.next(slots)
         self.poses.extend(poses)
-        self._mid_chunk = True
         if self.ranks > 1:
             self._order(cam, changed)
+        self._mid_chunk = True
         latent = self._session.next_chunk(cam)
         self._mid_chunk = False
         made = 0

@@ -163,7 +163,10 @@ def test_play_under_sequence_parallel_equals_one_rank(fast_ckpt, shipped_example
     assert follower["frames"] == [] and follower["rollouts"] == 2  # the follower decodes nothing
 
 
+@pytest.mark.slow
 def test_a_follower_whose_rank_0_vanishes_stops_with_a_clear_error(fast_ckpt, shipped_example, tmp_path):
+    """Rank 0 leaves after a chunk without a stop: the follower's wait ends at once with PeerLost (no hang until
+    the group's timeout), its model freed."""
     import parallel_worker as worker
     import torch.multiprocessing as mp
     from helpers import free_port

@@ -1480,7 +1480,7 @@ def run_play(args) -> int:
         int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
         files.config.num_heads,
     )
-    ranks = distributed.requested_size(args.ulysses_size, args.parallel)
+    ranks = distributed.requested_size(args.ulysses_size, args.parallel, "play")
     with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
         return _run_play(args, files, torch.device(device), ranks)
 

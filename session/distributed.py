@@ -20,8 +20,9 @@ import torch.distributed as dist
 TIMEOUT = timedelta(minutes=int(os.environ.get("LINGBOT_DIST_TIMEOUT_MIN", "30")))
 
 
-def requested_size(ulysses_size: int, parallel: str) -> int:
-    """--ulysses_size / --parallel auto -> the number of ranks; checked against torchrun's environment."""
+def requested_size(ulysses_size: int, parallel: str, command: str = "generate") -> int:
+    """--ulysses_size / --parallel auto -> the number of ranks; checked against torchrun's environment (the
+    launch line named is `command`'s)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if parallel == "auto":
         if ulysses_size not in (1, world):
@@ -32,7 +33,7 @@ def requested_size(ulysses_size: int, parallel: str) -> int:
     if ulysses_size > 1 and world != ulysses_size:
         raise ValueError(
             f"--ulysses_size {ulysses_size}: launch with `torchrun --nproc_per_node {ulysses_size} "
-            f"lingbot.py generate ...` (this process sees WORLD_SIZE={world})"
+            f"lingbot.py {command} ...` (this process sees WORLD_SIZE={world})"
         )
     if ulysses_size == 1 and world > 1:
         raise ValueError(

@@ -274,7 +274,7 @@ def test_play_refuses_a_degree_that_does_not_split_the_heads(
     assert len(err.strip().splitlines()) == 1
     assert cli.main(play_args(fast_ckpt, shipped_example, "--ulysses_size", "2")) == 2
     err = capsys.readouterr().err
-    assert "torchrun --nproc_per_node 2" in err and "Traceback" not in err
+    assert "torchrun --nproc_per_node 2 lingbot.py play" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1106,6 +1107,9 @@ built when chunk k starts, from the keys of chunks 0..k (act2cam's motion at a f
 """
 
 
+CHUNKED_HEADS = "the model's heads: 40 for v1 Fast and the v2 14B, 12 for the v2 1.3B"
+
+
 def add_parallel_args(p: argparse.ArgumentParser, command: str, heads: str) -> None:
     p.add_argument(
         "--ulysses_size",
@@ -1237,7 +1241,7 @@ def add_fast_args(p: argparse.ArgumentParser):
     p.add_argument("--overwrite", action="store_true", help="replace --output (and --frames_dir PNGs)")
     p.add_argument("--report", type=Path, help="also write the per-phase time/memory table as JSON here")
     p.add_argument("--save_latent", type=Path, help="also save the latent for ComfyUI's Load Latent node")
-    add_parallel_args(p, "fast", "the model's heads: 40 for v1 Fast and the v2 14B, 12 for the v2 1.3B")
+    add_parallel_args(p, "fast", CHUNKED_HEADS)
 
 
 def fast_camera(args, files, image, size, device):
@@ -1434,6 +1438,9 @@ v1 Fast, documented unbounded, plays at 18 / 6 too).
 
 --record out.mp4 writes what was played and out_camera/ (poses.npy + intrinsics.npy per played video
 frame; out_camera_2/ ... for later rollouts), which `generate` and `fast` replay with --action_path.
+
+Several GPUs of one host: `torchrun --nproc_per_node N lingbot.py play ... --ulysses_size N` (or --parallel
+auto): rank 0 serves the page, encodes and decodes; every rank runs its share of each chunk's DiT.
 """
 
 
@@ -1461,21 +1468,34 @@ def add_play_args(p: argparse.ArgumentParser):
         help="run the VAE (the decode) on this device, e.g. cuda:1, while --device's GPU makes the next chunk "
         "(default: --device, one after the other)",
     )
+    add_parallel_args(p, "play", CHUNKED_HEADS)
 
 
 def run_play(args) -> int:
-    from .session import play, play_server
-
+    """`play`; under torchrun with --ulysses_size N (or --parallel auto) rank 0 serves the page, encodes, steers
+    and decodes, and every rank runs its share of each chunk's DiT in lockstep with it (as `fast`)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected 0..65535, got {args.port}")
-    warning = play_server.host_warning(args.host)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    device = resolve_device(args.device)
     decode_device = (
         None if args.decode_device is None else resolve_device(args.decode_device, "--decode_device")
     )
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
+    check_heads(
+        int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
+        files.config.num_heads,
+    )
+    ranks = distributed.requested_size(args.ulysses_size, args.parallel, "play")
+    with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
+        return _run_play(args, files, torch.device(device), ranks, decode_device)
+
+
+def _run_play(args, files, device, ranks, decode_device) -> int:
+    from .session import play, play_server
+
+    lead = distributed.rank() == 0  # serves the page, encodes, steers and decodes
+    warning = play_server.host_warning(args.host)
+    if warning and lead:
+        print(warning, file=sys.stderr, flush=True)
     image = load_image(args.image)
     session = play.PlaySession(
         files,
@@ -1495,24 +1515,33 @@ def run_play(args) -> int:
         t5_mode=args.t5_mode,
         t5_device="cpu" if args.t5_cpu else None,
         decode_device=decode_device,
+        ranks=ranks,
     )
-    try:
-        session.lat_shape(image)
-    except ValueError as err:
-        raise ValueError(f"--size: {err}") from None
-    session.check_memory(image)
     recorder = None
-    if args.record:
-        inputs = [("--ckpt_dir", args.ckpt_dir), ("--image", args.image), ("--assets_dir", args.assets_dir)]
-        video.check_output(args.record, args.overwrite, inputs)
-        recorder = play.PlayRecorder(args.record, args.overwrite)
-    server = play_server.PlayServer(
-        session, image, args.prompt, args.host, args.port, record=recorder and recorder.add
-    )
     try:
+        try:
+            session.lat_shape(image)
+        except ValueError as err:
+            raise ValueError(f"--size: {err}") from None
+        session.check_memory(image)
+        if not lead:
+            with sigint_ignored():  # Ctrl-C reaches every rank: rank 0 finishes the chunk and says stop
+                session.follow()
+            return 0
+        if args.record:
+            inputs = [
+                ("--ckpt_dir", args.ckpt_dir),
+                ("--image", args.image),
+                ("--assets_dir", args.assets_dir),
+            ]
+            video.check_output(args.record, args.overwrite, inputs)
+            recorder = play.PlayRecorder(args.record, args.overwrite)
+        server = play_server.PlayServer(
+            session, image, args.prompt, args.host, args.port, record=recorder and recorder.add
+        )
         stats = server.serve(on_bound=play_server.announce)
     except BaseException:
-        session.close()
+        session.close()  # under sequence parallel: the others are told to stop
         if recorder is not None:
             recorder.abort()
         raise
@@ -1577,6 +1606,19 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Ctrl-C ignored in the block (a follower rank of `play`, which rank 0 stops); only in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_args(parser: argparse.ArgumentParser, args) -> None:
@@ -1644,6 +1686,6 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as err:  # bad input: files, arrays, arguments
         print(f"error: {flag_message(err, args.command)}", file=sys.stderr)
         return 2
-    except text_encode.EncoderProcessError as err:  # the child's status and last lines, no traceback
+    except (text_encode.EncoderProcessError, distributed.PeerLost) as err:  # no traceback: the cause is said
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -28,6 +28,14 @@ the rate from the second) and the wait the pacer added (`pace_delay_*`). The fig
     python benchmarks/bench_play.py ... --no_pace                              # frames as they are made
     python benchmarks/bench_play.py ... --decode_device cuda:1        # the decode on a second GPU, overlapped
     python benchmarks/bench_play.py ... --overlap off                 # one GPU, the decode after the DiT
+
+Sequence parallel (one host, N GPUs; rank 0 builds the checkpoint while the others wait, then serves, drives
+the scripted client and prints the JSON, with each rank's peak VRAM; the others follow its chunks):
+
+    torchrun --nproc_per_node 4 benchmarks/bench_play.py --scale full --workdir /tmp/bench_play --model v2-14b \
+        --ulysses_size 4 --t5_cpu --vae_dtype fp16
+    torchrun --nproc_per_node 2 benchmarks/bench_play.py --scale tiny --workdir /tmp/bench_play_tiny \
+        --ulysses_size 2                                                        # CPU check (gloo)
 """
 
 import argparse
@@ -40,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -50,7 +59,8 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir  # noqa: E402
-from lingbot_world.session import play, play_server  # noqa: E402
+from lingbot_world.session import distributed, play, play_server  # noqa: E402
+from lingbot_world.wan.parallel import heads_issue  # noqa: E402
 
 # (seconds into the script, message): walk, turn, strafe, mouse look, run
 SCRIPT = [
@@ -125,6 +135,9 @@ def main() -> int:
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
     ap.add_argument("--workdir", type=Path, required=True, help="where the random checkpoint is written once")
     ap.add_argument("--model", choices=["v2-1.3b", "v2-14b", "fast"], default="v2-1.3b")
+    ap.add_argument(
+        "--ulysses_size", type=int, default=1, help="sequence parallel over N GPUs (under torchrun, N ranks)"
+    )
     ap.add_argument("--chunks", type=int, default=None, help="chunks to play (full: 24; tiny: 4)")
     ap.add_argument("--size", default=None, help="H*W pixel area (full: 480*832 -> 464x832; tiny: 64*112)")
     ap.add_argument("--local_attn_size", type=int, default=18)
@@ -147,14 +160,33 @@ def main() -> int:
     full = args.scale == "full"
     if full and not torch.cuda.is_available():
         raise SystemExit("--scale full needs a CUDA GPU")
-    device = torch.device("cuda" if full else "cpu")
+    try:
+        ranks = distributed.requested_size(args.ulysses_size, "none")
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    with distributed.process_group(ranks, "cuda" if full else "cpu") as device:
+        return bench(args, torch.device(device), ranks)
+
+
+def peak_vram_gib(device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def bench(args, device: torch.device, ranks: int) -> int:
+    full, lead = args.scale == "full", distributed.rank() == 0
     chunks = args.chunks or (24 if full else 4)
     h, w = (480, 832) if full else (64, 112)
     if args.size:
         h, w = (int(v) for v in args.size.split("*"))
     args.workdir.mkdir(parents=True, exist_ok=True)
+    if ranks > 1 and not lead:
+        dist.barrier()  # rank 0 builds the checkpoint first
     ckpt, assets = build_fast_checkpoint(args.workdir, args.model, args.scale)
+    if ranks > 1 and lead:
+        dist.barrier()
     files = resolve_fast_dir(ckpt, args.model, assets)
+    if heads_issue(ranks, files.config.num_heads):
+        raise SystemExit(f"--{heads_issue(ranks, files.config.num_heads)}")
     session = play.PlaySession(
         files,
         device,
@@ -170,7 +202,16 @@ def main() -> int:
         compile=args.compile,
         decode_device=args.decode_device,
         overlap={"on": True, "off": False}.get(args.overlap),
+        ranks=ranks,
     )
+    if device.type == "cuda":
+        torch.cuda.init()  # before reading a card's counters
+        torch.cuda.reset_peak_memory_stats(device)
+    peaks = [None] * ranks
+    if not lead:  # the DiT's share of every chunk, until rank 0's session ends
+        session.follow()
+        dist.all_gather_object(peaks, peak_vram_gib(device))
+        return 0
     g = torch.Generator().manual_seed(0)
     image = torch.rand(3, h, w, generator=g) * 2 - 1
     server = play_server.PlayServer(
@@ -184,8 +225,6 @@ def main() -> int:
         except BaseException as err:
             result["error"] = err
 
-    if device.type == "cuda":
-        torch.cuda.init()  # before reading a second card's counters
     for d in {device, session.decode_device}:
         if d.type == "cuda":
             torch.cuda.reset_peak_memory_stats(d)
@@ -198,6 +237,9 @@ def main() -> int:
     key_period = args.key_period or (1.0 if full else 0.5)
     seen = asyncio.run(client(server.url, frames, key_period))
     thread.join(600)
+    peaks[0] = peak_vram_gib(device)
+    if ranks > 1:
+        dist.all_gather_object(peaks, peaks[0])
     if "error" in result:
         raise result["error"]
     stats = result["stats"]
@@ -248,7 +290,9 @@ def main() -> int:
         "client_gap_p50_s": play.percentile(gaps, 50),
         "client_gap_p95_s": play.percentile(gaps, 95),
         "client_gap_max_s": float(gaps.max()) if len(gaps) else None,
-        "peak_vram_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_vram_gib": peaks[0],
+        "ulysses_size": ranks,
+        "peak_vram_gib_per_rank": peaks,
         "decode_peak_vram_gib": (stats["vram"] or {}).get("decode_peak_gib"),
         "wall_s": round(time.perf_counter() - t0, 1),
     }

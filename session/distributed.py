@@ -3,7 +3,8 @@
 `torchrun --nproc_per_node N lingbot.py generate ... --ulysses_size N` (or `--parallel auto`, which takes
 N from torchrun's WORLD_SIZE) starts N copies of the CLI; `process_group` joins them (NCCL on CUDA with
 one GPU per rank, cuda:LOCAL_RANK; gloo on the CPU) with a timeout, so a rank that dies cannot leave the
-others waiting forever, and destroys the group on the way out, error or not.
+others waiting forever, and destroys the group on the way out, error or not. `fast` and `play` run the same
+way (`play`: rank 0 sends the others each chunk's order with `broadcast_message`, see session.play).
 """
 
 import contextlib
@@ -19,8 +20,9 @@ import torch.distributed as dist
 TIMEOUT = timedelta(minutes=int(os.environ.get("LINGBOT_DIST_TIMEOUT_MIN", "30")))
 
 
-def requested_size(ulysses_size: int, parallel: str) -> int:
-    """--ulysses_size / --parallel auto -> the number of ranks; checked against torchrun's environment."""
+def requested_size(ulysses_size: int, parallel: str, command: str = "generate") -> int:
+    """--ulysses_size / --parallel auto -> the number of ranks; checked against torchrun's environment (the
+    launch line named is `command`'s)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if parallel == "auto":
         if ulysses_size not in (1, world):
@@ -31,7 +33,7 @@ def requested_size(ulysses_size: int, parallel: str) -> int:
     if ulysses_size > 1 and world != ulysses_size:
         raise ValueError(
             f"--ulysses_size {ulysses_size}: launch with `torchrun --nproc_per_node {ulysses_size} "
-            f"lingbot.py generate ...` (this process sees WORLD_SIZE={world})"
+            f"lingbot.py {command} ...` (this process sees WORLD_SIZE={world})"
         )
     if ulysses_size == 1 and world > 1:
         raise ValueError(
@@ -77,17 +79,30 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def broadcast_tensors(tensors: list[torch.Tensor] | None, device) -> list[torch.Tensor]:
-    """Rank 0's `tensors` (others pass None) on every rank, on `device` (shapes and dtypes sent first)."""
-    meta = [[(t.shape, t.dtype) for t in tensors] if rank() == 0 else None]
-    dist.broadcast_object_list(meta, src=0)
+class PeerLost(RuntimeError):
+    """This rank waited for rank 0, which failed, was stopped or timed out (said without a traceback)."""
+
+
+def broadcast_message(
+    message, tensors: list[torch.Tensor] | None, device
+) -> tuple[object, list[torch.Tensor]]:
+    """Rank 0's `message` (small, picklable) and `tensors` on every rank (the others pass None for both), the
+    tensors on `device`: one object broadcast (the message, shapes and dtypes), then one per tensor."""
+    lead = rank() == 0
+    meta = [(message, [(t.shape, t.dtype) for t in tensors]) if lead else None]
+    device = torch.device(device)
+    # this rank's GPU for the pickled object: a thread other than the one process_group set it in (the
+    # play loop's) would otherwise use cuda:0 on every rank
+    dist.broadcast_object_list(meta, src=0, device=device if device.type == "cuda" else None)
+    message, specs = meta[0]
     out = []
-    for i, (shape, dtype) in enumerate(meta[0]):
-        t = (
-            tensors[i].to(device).contiguous()
-            if rank() == 0
-            else torch.empty(shape, dtype=dtype, device=device)
-        )
+    for i, (shape, dtype) in enumerate(specs):
+        t = tensors[i].to(device).contiguous() if lead else torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(t, src=0)
         out.append(t)
-    return out
+    return message, out
+
+
+def broadcast_tensors(tensors: list[torch.Tensor] | None, device) -> list[torch.Tensor]:
+    """Rank 0's `tensors` (others pass None) on every rank, on `device` (shapes and dtypes sent first)."""
+    return broadcast_message(None, tensors, device)[1]

@@ -32,6 +32,14 @@ or mouse event's arrival to the hand-out of the first frame of the latent frame 
 the device memory. Those are hand-out figures (the frames shown as
 they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
 that paces the frames (session.pacer) measures key->pixel to the frame's show time.
+
+Sequence parallel (`ranks` > 1, every rank in a `session.distributed.process_group`): rank 0 is the session
+above (text encoder, VAE, condition, keys, camera, decode, the front end); every rank holds the DiT with its
+share of the heads (`wan.parallel`) and runs each chunk's forwards in lockstep. Before each chunk rank 0 sends
+the others their order (`distributed.broadcast_message`): the chunk's camera, a new rollout's seed and text
+context, a changed prompt's context; the others run `follow()`, which ends on rank 0's stop (sent by
+`close()`). While no chunk is asked for, rank 0's `idle()` sends a keep-alive, so the others' wait stays
+within the process group's timeout; a follower whose rank 0 vanished raises `distributed.PeerLost`.
 """
 
 import contextlib
@@ -50,14 +58,17 @@ from ..wan import i2v
 from ..wan.camera_presets import DEFAULT_HFOV_DEG
 from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
+from ..wan.parallel import SequenceParallel
 from ..wan.pipeline import frames_to_uint8
 from ..wan.vae import ChunkDecoder, decode_dtype
-from . import fast_run
+from . import distributed, fast_run
 from .controls import ChunkCamera, Controls
 from .planner import GIB, PROCESS_RAM, free_memory
 
 PLAY_WINDOW = (18, 6)  # (window, sink) for a model documented with an unbounded cache (v1 Fast)
 CONDITION_FRAMES = 32  # latent frames of the i2v condition encoded exactly (125 video frames)
+# longest rank 0 stays silent while idle: well within the process group's timeout the followers wait under
+KEEPALIVE_S = min(60.0, distributed.TIMEOUT.total_seconds() / 4)
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,7 @@ class PlaySession:
         overlap: bool | None = None,
         on_frame: Callable[[PlayFrame], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        ranks: int = 1,
     ):
         kind = files.kind
         if local_attn_size is None and kind.local_attn_size == -1:
@@ -196,6 +208,10 @@ class PlaySession:
         if control != "cam":
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
         self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
+        self.ranks, self.lead = ranks, distributed.rank() == 0  # rank 0 leads; the others follow()
+        self._sent = time.monotonic()  # rank 0's last message to the others
+        self._mid_chunk = False  # rank 0 ordered a chunk that has not finished (no stop can follow it)
+        self._y = None  # a follower's copy of rank 0's condition
         self.files, self.device = files, torch.device(device)
         # the VAE (encode and decode) lives on decode_device
         self.decode_device = self.device if decode_device is None else torch.device(decode_device)
@@ -289,6 +305,7 @@ class PlaySession:
             self.tile,
             self.vae_dtype,
             **self._vae_where(),
+            ranks=self.ranks,
         )
 
     def decode_memory(self, image: torch.Tensor) -> int | None:
@@ -317,6 +334,7 @@ class PlaySession:
                     self.tile,
                     free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
                     vae_dtype=self.vae_dtype,
+                    ranks=self.ranks,
                     **self._vae_where(),
                 )
 
@@ -368,9 +386,11 @@ class PlaySession:
         self.image, self._prompt = image, prompt
         context = self._context(prompt)
         y = self._condition()
+        if self.ranks > 1:
+            self._send({"op": "start", "size": self.size}, [y])  # the others load their DiT meanwhile
         if self._dit is None:
-            self._dit = self._load_dit()
-        if self._worker is None:
+            self._dit = self._parallel(self._load_dit())
+        if self._worker is None and self.lead:
             self._worker = DecodeWorker(self.decode_device, self._decode)
         self._new_rollout(context, y)
         if self.warm_chunks:
@@ -410,18 +430,27 @@ class PlaySession:
         )
         return self._model()
 
+    def _parallel(self, dit):
+        if self.ranks > 1:
+            dit.sequence_parallel = SequenceParallel()
+        return dit
+
     def _release(self) -> None:
         if self._model is not None:
             self._model.close()
 
-    def _new_rollout(self, context=None, y=None) -> None:
+    def _new_rollout(self, context=None, y=None, seed=None) -> None:
         self._end_rollout()
         context = self._context(self._prompt) if context is None else context
         y = self._condition() if y is None else y
         lat_shape = (rollout_latent_frames(self.chunk), *self.size[:2])
-        config = replace(self.config, seed=(self.config.seed + self.rollouts) % 2**32)
+        seed = (self.config.seed + self.rollouts) % 2**32 if seed is None else seed
+        config = replace(self.config, seed=seed)
         y = y[:, : lat_shape[0]]
         self._session = FastSession(self._dit, context, y, lat_shape, config, self.device, stream=True)
+        self.rollouts += 1
+        if not self.lead:  # the camera, the decoder and the input are rank 0's
+            return
         intr = self.intrinsics
         if intr is None:
             intr = fast_run.steering_intrinsics(None, self.size, DEFAULT_HFOV_DEG)
@@ -429,7 +458,6 @@ class PlaySession:
         self.intrinsics_used = self._camera.intrinsics
         self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype)
         self.poses = []
-        self.rollouts += 1
 
     def _end_rollout(self) -> None:
         if self._worker is not None:
@@ -457,7 +485,8 @@ class PlaySession:
         with self._lock:
             restart, self._restart = self._restart, False
             prompt, self._pending_prompt = self._pending_prompt, None
-        if prompt is not None and prompt != self._prompt:
+        changed = prompt is not None and prompt != self._prompt
+        if changed:
             self._prompt = prompt
             if not restart:
                 self._session.set_context(self._context(prompt))
@@ -472,7 +501,11 @@ class PlaySession:
             keys.setdefault(first_latent + (first_latent == 0) + slot, []).append(t)
         cam, poses = self._camera.next(slots)
         self.poses.extend(poses)
+        if self.ranks > 1:
+            self._order(cam, changed)
+        self._mid_chunk = True
         latent = self._session.next_chunk(cam).to(self.decode_device)
+        self._mid_chunk = False
         ready = None
         if self.decode_device.type == "cuda":  # the worker's stream starts after the DiT's work and the copy
             ready = torch.cuda.Event()
@@ -522,6 +555,58 @@ class PlaySession:
         if self._worker is not None:
             self._worker.wait()
 
+    # --- sequence parallel: rank 0 orders, the others follow ----------------------------------------------
+
+    def _send(self, message: dict, tensors=()) -> None:
+        distributed.broadcast_message(message, list(tensors), self.device)
+        self._sent = time.monotonic()
+
+    def _order(self, cam: torch.Tensor, changed: bool) -> None:
+        """The chunk rank 0 is about to run: its camera, with a new rollout's seed (its first chunk) and the
+        text context where the rollout is new or the prompt changed."""
+        seed = self._session.config.seed if self._session.done == 0 else None
+        context = [self._context(self._prompt)] if seed is not None or changed else []
+        self._send({"op": "chunk", "seed": seed}, [cam, *context])
+
+    def idle(self) -> None:
+        """Rank 0 while no chunk is asked for (no client yet): a keep-alive now and then, so the others'
+        wait for the next order stays within the process group's timeout."""
+        if self.ranks > 1 and self.lead and not self.closed and time.monotonic() - self._sent > KEEPALIVE_S:
+            self._send({"op": "wait"})
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """A rank other than 0 (`ranks` > 1): load the DiT, then run each chunk rank 0 orders, in lockstep with
+        it, until it says stop; the session is closed on the way out. Raises distributed.PeerLost when rank 0
+        ends without a stop (failed, killed, timed out)."""
+        if self.lead or self.ranks < 2:
+            raise RuntimeError("follow() runs on the ranks other than 0 of a sequence-parallel play")
+        try:
+            if self._dit is None:
+                self._dit = self._parallel(self._load_dit())
+            while True:
+                try:
+                    order, tensors = distributed.broadcast_message(None, None, self.device)
+                except RuntimeError as err:
+                    raise distributed.PeerLost(
+                        f"play, rank {distributed.rank()}: rank 0 ended without a stop (it failed, was "
+                        f"stopped or timed out); stopping too ({str(err).splitlines()[0]})"
+                    ) from None
+                if order["op"] == "stop":
+                    return
+                if order["op"] == "start":
+                    self.size, (self._y,) = order["size"], tensors
+                elif order["op"] == "chunk":
+                    cam, *context = tensors
+                    if order["seed"] is not None:
+                        self._new_rollout(context[0], self._y, order["seed"])
+                    elif context:
+                        self._session.set_context(context[0])
+                    self._session.next_chunk(cam)
+                    self.chunks += 1
+        finally:
+            self.close()
+
     # --- report and teardown ----------------------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -556,7 +641,12 @@ class PlaySession:
 
     def close(self) -> None:
         """Hand out the chunk in the decoder, stop the worker, free the caches, the model and the VAE on both
-        devices (idempotent; raises the decode's exception once everything is freed)."""
+        devices (idempotent; raises the decode's exception once everything is freed). Rank 0 of a
+        sequence-parallel play tells the others to stop (unless a chunk it ordered failed: they are in its
+        collectives, which its exit ends)."""
+        if self.ranks > 1 and self.lead and not self.closed and not self._mid_chunk:
+            with contextlib.suppress(RuntimeError):  # a follower already gone
+                self._send({"op": "stop"})
         self.closed = True
         worker, self._worker = self._worker, None
         try:
@@ -569,6 +659,7 @@ class PlaySession:
             self._model = self._dit = self._vae = None
             self._conditions = {}
             self._contexts = {}
+            self._y = None
             for device in {self.device, self.decode_device}:
                 if device.type == "cuda":
                     with torch.cuda.device(device):

@@ -120,6 +120,7 @@ class PlayServer:
                 if self.check is not None:
                     self.check()
                 if not self._controller_here.wait(0.1):
+                    self.session.idle()  # sequence parallel: the other ranks hear from rank 0 while it waits
                     continue
                 made = self.session.step()
                 self.pacer.produced(self.session.chunk_seconds[-1], made)

@@ -292,3 +292,131 @@ def fast_rank(rank, world, port, out_dir, kind, compile=False):
         peers_done()
     finally:
         dist.destroy_process_group()
+
+
+# --- live play under sequence parallel --------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@contextlib.contextmanager
+def recorded_chunks():
+    """The clean latent of every chunk a FastSession makes in the block (on this rank), in order."""
+    from lingbot_world.wan.fast import FastSession
+
+    made, real = [], FastSession.next_chunk
+
+    def next_chunk(self, cam=None):
+        out = real(self, cam)
+        made.append(out.clone())
+        return out
+
+    FastSession.next_chunk = next_chunk
+    try:
+        yield made
+    finally:
+        FastSession.next_chunk = real
+
+
+def play_session(ckpt, device, ranks, clock, frames):
+    from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+    from lingbot_world.session import play
+
+    files = resolve_fast_dir(Path(ckpt))
+    session = play.PlaySession(
+        files,
+        device,
+        area=64 * 112,
+        t5_mode="inprocess",
+        condition_frames=4,
+        clock=clock,
+        on_frame=frames.append,
+        ranks=ranks,
+    )
+    load = session._load_dit
+
+    def load_fp32():  # fp32 compute: ranks and one process agree to GEMM rounding (bf16 would hide a bug)
+        dit = load().float()
+        dit.compute_dtype = torch.float32
+        return dit
+
+    session._load_dit = load_fp32
+    return session
+
+
+def scripted_play(session, clock, image) -> None:
+    """3 chunks: W in the first, a right turn and a new prompt in the second, a restart (a new rollout, its own
+    seed) with D held in the third; under sequence parallel rank 0 also idles once (a keep-alive)."""
+    session.start(image, "a castle")
+    session.idle()
+    session.key("KeyW", True, 0.6)
+    clock.t = 1.0
+    session.step()
+    session.key("KeyW", False, 1.2)
+    session.key("ArrowRight", True, 1.2)
+    session.set_prompt("a castle at night")
+    clock.t = 2.0
+    session.step()
+    session.key("ArrowRight", False, 2.5)
+    session.key("KeyD", True, 2.6)
+    session.restart()
+    clock.t = 3.0
+    session.step()
+
+
+def play_record(session, frames, made) -> dict:
+    return {
+        "latents": made,
+        "poses": [f.pose for f in frames],
+        "images": torch.stack([f.image for f in frames]) if frames else None,
+        "frames": [(f.index, f.rollout, f.latent) for f in frames],
+        "chunks": session.chunks,
+        "rollouts": session.rollouts,
+        "closed": session.closed and session._dit is None and session._session is None,
+    }
+
+
+def play_rank(rank, world, port, out_dir, ckpt, image_path, die_after=None):
+    """One rank of a sequence-parallel play inside `distributed.process_group`, as torchrun starts it: rank 0
+    plays the script (or, with `die_after`, leaves without a word after that many chunks) and closes; the
+    others follow. Each rank saves what it made, or the error that ended it."""
+    from lingbot_world import cli
+    from lingbot_world.session import play
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    cli.import_runtime()
+    play.KEEPALIVE_S = 0.0  # idle() sends one at once
+    clock, frames = Clock(), []
+    out = Path(out_dir) / f"rank{rank}.pt"
+    try:
+        with distributed.process_group(world, "cpu") as device, recorded_chunks() as made:
+            session = play_session(ckpt, device, world, clock, frames)
+            if rank:
+                session.follow()
+            elif die_after is None:
+                try:
+                    scripted_play(session, clock, cli.load_image(Path(image_path)))
+                finally:
+                    session.close()
+            else:
+                session.start(cli.load_image(Path(image_path)), "a castle")
+                for _ in range(die_after):
+                    clock.t += 1.0
+                    session.step()
+                torch.save({"chunks": session.chunks}, out)
+                os._exit(0)  # no stop, no goodbye
+            torch.save(play_record(session, frames, made), out)
+    except distributed.PeerLost as err:
+        torch.save({"error": str(err), "chunks": session.chunks, "closed": session._dit is None}, out)

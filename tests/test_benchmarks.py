@@ -292,6 +292,22 @@ def test_bench_parallel_fast(tmp_path):
     assert s["max_abs_dev_vs_1gpu"] < 1e-4 < s["latent_max_abs"]
 
 
+def test_bench_play_under_sequence_parallel(tmp_path):
+    """Two gloo ranks under torchrun: rank 0 builds the checkpoint, serves and drives the scripted client, the
+    other follows its chunks; one JSON line with both ranks' peaks, every frame of the 3 chunks received."""
+    env = {"LINGBOT_WORLD_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    script = ROOT / "benchmarks" / "bench_play.py"
+    extra = ("--workdir", tmp_path / "w", "--ulysses_size", "2", "--chunks", "3", "--key-period", "0.2")
+    out = torchrun(script, "--scale", "tiny", *extra, cwd=tmp_path, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone reports
+    s = json.loads(lines[0])
+    assert s["bench"] == "play" and s["ulysses_size"] == 2 and len(s["peak_vram_gib_per_rank"]) == 2
+    assert s["frames_received"] == 13 + 2 * 16 and s["chunks"] >= 3 and s["fps_played"] > 0
+    assert s["key_events_measured"] >= 1
+
+
 def test_bench_fast(tmp_path):
     s = run_tiny("bench_fast.py", tmp_path)
     assert s["bench"] == "fast" and s["chunks"] == 4 and s["latent"] == [12, 4, 6]

@@ -296,3 +296,58 @@ def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(fast_ck
     for a, b in zip(frames, plain, strict=True):
         assert (a.index, a.rollout, a.latent, a.keys) == (b.index, b.rollout, b.latent, b.keys)
         assert torch.equal(a.image, b.image) and np.array_equal(a.pose, b.pose)
+def test_play_under_sequence_parallel_equals_one_rank(fast_ckpt, shipped_example, tmp_path):
+    """Two gloo ranks play the script (keys, a new prompt, a restart): rank 0 hands out the one-rank play's
+    frames and poses, both ranks made its chunk latents, and rank 0's close reached the follower, which
+    freed its model and left."""
+    import parallel_worker as worker
+    import torch.multiprocessing as mp
+    from helpers import free_port, one_thread
+
+    image = shipped_example / "image.jpg"
+    clock, frames = worker.Clock(), []
+    with one_thread(), worker.recorded_chunks() as made:
+        session = worker.play_session(fast_ckpt, "cpu", 1, clock, frames)
+        try:
+            worker.scripted_play(session, clock, cli.load_image(image))
+        finally:
+            session.close()
+        want = worker.play_record(session, frames, made)
+    assert want["chunks"] == 3 and want["rollouts"] == 2 and len(want["latents"]) == 3
+    mp.spawn(worker.play_rank, args=(2, free_port(), str(tmp_path), str(fast_ckpt), str(image)), nprocs=2)
+    lead, follower = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert lead["frames"] == want["frames"] and lead["rollouts"] == 2
+    assert all(np.array_equal(a, b) for a, b in zip(lead["poses"], want["poses"], strict=True))
+    for got in (lead, follower):
+        assert got["chunks"] == 3 and got["closed"] is True
+        for a, b in zip(got["latents"], want["latents"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32: GEMM rounding
+    # the frames decoded from those latents: a few uint8 steps apart at most, in a few pixels
+    diff = (lead["images"].int() - want["images"].int()).abs()
+    assert diff.max() <= 3 and (diff > 0).float().mean() < 0.01
+    assert follower["frames"] == [] and follower["rollouts"] == 2  # the follower decodes nothing
+
+
+@pytest.mark.slow
+def test_a_follower_whose_rank_0_vanishes_stops_with_a_clear_error(fast_ckpt, shipped_example, tmp_path):
+    """Rank 0 leaves after a chunk without a stop: the follower's wait ends at once with PeerLost (no hang until
+    the group's timeout), its model freed."""
+    import parallel_worker as worker
+    import torch.multiprocessing as mp
+    from helpers import free_port
+
+    image = shipped_example / "image.jpg"
+    args = (2, free_port(), str(tmp_path), str(fast_ckpt), str(image), 1)
+    mp.spawn(worker.play_rank, args=args, nprocs=2)
+    follower = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert "rank 0 ended without a stop" in follower["error"] and follower["chunks"] == 1
+    assert follower["closed"] is True
+
+
+def test_play_plans_each_ranks_share_under_sequence_parallel(fast_ckpt, image):
+    """Under N ranks the memory plan is per GPU (each holds its share of the attention cache); compile is
+    taken (the compiled blocks trace the all-to-all: tests/test_parallel.py)."""
+    one = make_session(fast_ckpt, [], Clock()).memory(image)
+    two = make_session(fast_ckpt, [], Clock(), ranks=2).memory(image)
+    assert two.caches < one.caches and two.model == one.model  # every rank holds the whole model
+    assert make_session(fast_ckpt, [], Clock(), ranks=2, compile=True).config.compile

@@ -3,9 +3,11 @@
 import asyncio
 import contextlib
 import json
+import os
 import re
 import socket
 import threading
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -276,3 +278,63 @@ def test_bad_play_flags_fail_before_loading(fast_ckpt, shipped_example, capsys, 
         assert cli.main(play_args(fast_ckpt, shipped_example, *extra)) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_play_refuses_a_degree_that_does_not_split_the_heads(
+    fast_ckpt, shipped_example, capsys, nothing_loads
+):
+    """--ulysses_size is checked as `fast` checks it, before anything loads: a degree that does not divide the
+    tiny DiT's 4 heads names those that do; a good one outside torchrun says how to launch it."""
+    assert cli.main(play_args(fast_ckpt, shipped_example, "--ulysses_size", "3")) == 2
+    err = capsys.readouterr().err
+    assert "--ulysses_size 3 must divide the model's 4 attention heads (1, 2, 4)" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert cli.main(play_args(fast_ckpt, shipped_example, "--ulysses_size", "2")) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc_per_node 2 lingbot.py play" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_play_under_torchrun_stops_every_rank(fast_ckpt, shipped_example, tmp_path):
+    """`torchrun --nproc_per_node 2 lingbot.py play ... --ulysses_size 2`: rank 0 alone announces the page and
+    serves frames (of chunks both ranks ran); closing the controlling socket ends both ranks cleanly."""
+    import subprocess
+    import sys
+
+    from helpers import free_port
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    args = play_args(fast_ckpt, shipped_example, "--port", "0", "--ulysses_size", "2")
+    script = str(Path(cli.__file__).resolve().parent / "lingbot.py")
+    env = {**os.environ, "LINGBOT_WORLD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [*launch, str(free_port()), script, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        url = None
+        for line in proc.stdout:
+            found = re.search(r"play: open (http://\S+/)", line)
+            if found:
+                url = found[1]
+                break
+        assert url, proc.stderr.read()[-3000:]
+
+        async def client():
+            async with aiohttp.ClientSession() as http:
+                ws = await http.ws_connect(url + "ws")
+                await ws.send_str(json.dumps({"type": "key", "key": "KeyW", "down": True}))
+                frames = await frames_until(ws, 21, [])
+                await ws.close()
+                return frames
+
+        frames = asyncio.run(client())
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert [f[0] for f in frames] == list(range(21))
+    assert out.count("play ended (the controlling client left)") == 1 and "Traceback" not in err

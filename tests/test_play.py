@@ -296,6 +296,8 @@ def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(fast_ck
     for a, b in zip(frames, plain, strict=True):
         assert (a.index, a.rollout, a.latent, a.keys) == (b.index, b.rollout, b.latent, b.keys)
         assert torch.equal(a.image, b.image) and np.array_equal(a.pose, b.pose)
+
+
 def test_play_under_sequence_parallel_equals_one_rank(fast_ckpt, shipped_example, tmp_path):
     """Two gloo ranks play the script (keys, a new prompt, a restart): rank 0 hands out the one-rank play's
     frames and poses, both ranks made its chunk latents, and rank 0's close reached the follower, which

@@ -1170,6 +1170,13 @@ def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
     )
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
+        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
+        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
+    )
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     add_text_encoder_args(p)
     p.add_argument(
@@ -1227,13 +1234,6 @@ def add_fast_args(p: argparse.ArgumentParser):
         "default: the model's; v1 Fast 0, v2 6)",
     )
     add_chunked_runtime_args(p, vae_tile="auto")
-    p.add_argument(
-        "--fp8",
-        action="store_true",
-        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
-        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
-        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
-    )
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
     )
@@ -1479,6 +1479,7 @@ def run_play(args) -> int:
     decode_device = (
         None if args.decode_device is None else resolve_device(args.decode_device, "--decode_device")
     )
+    load_quantize(args, resolve_device(args.device))  # --fp8 on a card without fp8 tensor cores: exit 2 here
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     check_heads(
         int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
@@ -1506,7 +1507,7 @@ def _run_play(args, files, device, ranks, decode_device) -> int:
         sink_size=args.sink_size,
         kv_dtype=args.kv_dtype,
         compile=args.compile,
-        quantize=args.quantize or None,
+        quantize=load_quantize(args, device),
         swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),
         vae_dtype=args.vae_dtype,

@@ -148,6 +148,9 @@ def main() -> int:
     ap.add_argument("--vae_dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the play decoder")
     ap.add_argument("--t5_cpu", action="store_true", help="encode the prompt on the CPU")
     ap.add_argument("--no_pace", action="store_true", help="send each frame as it is made (no pacer)")
+    ap.add_argument(
+        "--fp8", action="store_true", help="the DiT blocks' Linears in fp8 (quantized while loading)"
+    )
     ap.add_argument("--compile", action="store_true", help="compile the DiT's chunk forward")
     ap.add_argument("--decode_device", help="the VAE's device, e.g. cuda:1 (default: the DiT's)")
     ap.add_argument(
@@ -200,6 +203,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         t5_device="cpu" if args.t5_cpu else None,
         condition_frames=play.CONDITION_FRAMES if full else 4,
         compile=args.compile,
+        quantize="fp8" if args.fp8 else None,
         decode_device=args.decode_device,
         overlap={"on": True, "off": False}.get(args.overlap),
         ranks=ranks,
@@ -260,6 +264,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         "vae_dtype": args.vae_dtype,
         "mode": args.mode,
         "compile": args.compile,
+        "fp8": args.fp8,
         "decode_device": str(session.decode_device),
         "overlap": session.overlap,
         "chunks": stats["chunks"],

@@ -192,6 +192,8 @@ def test_cli_fp8_refused_on_cpu_before_anything_loads(
     for args in (
         args_for(nf4_ckpt, shipped_example / "poses.npy", out, "--fp8"),
         fast_args(fast_ckpt, shipped_example, out, "--fp8"),
+        ["play", "--ckpt_dir", str(fast_ckpt), "--image", str(shipped_example / "image.jpg")]
+        + ["--prompt", "a castle", "--device", "cpu", "--fp8"],
     ):
         expect_clear_error(capsys, args, out, "--fp8: fp8 linears need a CUDA GPU", "leave fp8 off")
     expect_clear_error(

@@ -36,11 +36,9 @@ from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
 from .planner import (
     DECODE_MIN_TILE,
-    ENCODE_PER_PIXEL_FRAME,
     ENCODE_RAM_BASE,
     ENCODE_RAM_PER_PIXEL_FRAME,
     PROCESS_RAM,
-    VAE_BASE,
     decode_vram,
     encode_tile,
     encode_vram,
@@ -446,16 +444,12 @@ def fast_memory(
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
     forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
-    # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
-    least = (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else fixed
-    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
-    if tile == "auto" and budget is not None:  # the tile the encode will pick from what is free
-        video = ENCODE_PER_PIXEL_FRAME * frames * pixels
-        picked = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
-        picked = encode_vram(frames, lat_f, lat_h, lat_w, picked)
-        # the encode picks with its analytic estimate, leaner than this fitted figure: where the two disagree
-        # (a pick over the budget) the figure stays at the smallest tile, as before, rather than refusing
-        encode = picked if picked <= budget else encode
+    # 'auto' tiles the encode to what is free when it runs (no model loaded yet): the tile it picks from
+    # `budget`, or with none known its smallest tile
+    enc_tile = (
+        fixed if tile != "auto" else "auto" if budget is not None else (DECODE_MIN_TILE, DECODE_MIN_TILE)
+    )
+    encode = encode_vram(frames, lat_h, lat_w, encode_tile(frames, lat_h, lat_w, enc_tile, budget))
     encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
     ram = int(
         max(

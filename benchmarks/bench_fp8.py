@@ -334,7 +334,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
         }
         out[name]["commit_share"] = round(out[name]["commit_s"] / out[name]["chunk_s"], 3)
         if compiled:
-            out[name]["compiled"] = not speed._chunk_blocks.failed
+            out[name]["compiled"] = not speed._shared_runners[speed.run_chunk_block].failed
             out[name]["compile_chunk_s"] = out[name]["chunks_s"][warm - 1]
             eager = name.removesuffix("_compiled")
             out[name]["last_chunk_deviation_from_eager"] = deviation(xs[-1], latents[eager][-1])

@@ -17,6 +17,7 @@ from ..wan.vae import (
     TEMPORAL_STRIDE,
     WanVAE,
     decode_dtype,
+    encode_work_bytes,
     normalize_latent,
     to_comfy_latent,
 )
@@ -37,7 +38,7 @@ class VAEHandle:
     def encode(self, video: torch.Tensor) -> torch.Tensor:
         """For wan.pipeline.sample: on the VAE device only while encoding."""
         frames, h, w = video.shape[1:]
-        work = self.model.encode_bytes_per_latent_pixel() * (h // SPATIAL_STRIDE) * (w // SPATIAL_STRIDE)
+        work = encode_work_bytes(frames, h // SPATIAL_STRIDE, w // SPATIAL_STRIDE, None, self.model.dtype)
         with memory.on_device(self.model, self.device, work):  # room for a whole-frame encode if it can
             return self.model.encode(video, tile="auto").to("cpu")  # tiles when less is free
 

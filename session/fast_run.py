@@ -36,7 +36,6 @@ from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
 from .planner import (
     DECODE_MIN_TILE,
-    ENCODE_PER_PIXEL_FRAME,
     ENCODE_RAM_BASE,
     ENCODE_RAM_PER_PIXEL_FRAME,
     PROCESS_RAM,
@@ -468,20 +467,14 @@ def fast_memory(
 def first_frame_encode(lat_shape: tuple, tile, budget: int | None) -> int:
     """The first-frame encode's peak VRAM (`fast_memory`'s `encode`; `tile`, `budget` as its)."""
     lat_f, lat_h, lat_w = lat_shape
-    frames, pixels = (lat_f - 1) * 4 + 1, lat_h * lat_w * 64
-    # 'auto' tiles the encode to fit the card (no model loaded yet): counted at its smallest tile
-    least = (
-        (DECODE_MIN_TILE, DECODE_MIN_TILE) if tile == "auto" else tile if isinstance(tile, tuple) else None
+    frames = (lat_f - 1) * 4 + 1
+    fixed = tile if isinstance(tile, tuple) else None
+    # 'auto' tiles the encode to what is free when it runs (no model loaded yet): the tile it picks from
+    # `budget`, or with none known its smallest tile
+    enc_tile = (
+        fixed if tile != "auto" else "auto" if budget is not None else (DECODE_MIN_TILE, DECODE_MIN_TILE)
     )
-    encode = encode_vram(frames, lat_f, lat_h, lat_w, encode_tile(lat_h, lat_w, least, None))
-    if tile == "auto" and budget is not None:  # the tile the encode will pick from what is free
-        video = ENCODE_PER_PIXEL_FRAME * frames * pixels
-        picked = encode_tile(lat_h, lat_w, "auto", budget - VAE_BASE - video)
-        picked = encode_vram(frames, lat_f, lat_h, lat_w, picked)
-        # the encode picks with its analytic estimate, leaner than this fitted figure: where the two disagree
-        # (a pick over the budget) the figure stays at the smallest tile, as before, rather than refusing
-        encode = picked if picked <= budget else encode
-    return encode
+    return encode_vram(frames, lat_h, lat_w, encode_tile(frames, lat_h, lat_w, enc_tile, budget))
 
 
 def decode_memory(

@@ -10,8 +10,9 @@ two random NF4 A14B experts, text encoded in a child process):
   phase's figures are the sum: the child's (its own CUDA context included) and the larger of those two.
 - vae_encode: the VAE and the video on the device, plus the encoder's chunk activations, which scale
   with the pixel area of one tile (the first frame and 4-frame chunks stream through a causal cache;
-  the whole frame when untiled). 'auto' tiling is predicted with the same rule `WanVAE.encode` uses
-  (`wan.vae.pick_tile` on the encoder's analytic bytes per latent pixel and the VRAM free then).
+  the whole frame when untiled): `wan.vae.encode_work_bytes`, whose fitted figure `WanVAE.encode` also
+  picks its 'auto' tile with (`wan.vae.pick_encode_tile`, on the VRAM free then), so the planner counts
+  the tile the encode picks.
 - denoise_high / denoise_low: the resident expert's weights (less the blocks `swap_blocks` keeps in
   pinned host RAM, plus the two blocks in flight), LoRA side tensors, and the activations of one forward
   pass: a per-token term and the FFN intermediate, which `wan.dit` builds in chunks of FFN_CHUNK tokens.
@@ -42,7 +43,14 @@ from dataclasses import dataclass, field, replace
 from ..wan import i2v
 from ..wan.config import DiTConfig
 from ..wan.dit import FFN_CHUNK, LEAN_CHUNK, ROPE_CHUNK
-from ..wan.vae import DECODE_DTYPES, DEFAULT_OVERLAP, check_tile, pick_tile, tile_spans
+from ..wan.vae import (
+    DECODE_DTYPES,
+    DEFAULT_OVERLAP,
+    check_tile,
+    encode_work_bytes,
+    pick_encode_tile,
+    tile_spans,
+)
 from .errors import RequestError
 
 GIB = 1 << 30
@@ -52,8 +60,9 @@ PROCESS_RAM = int(1.12 * GIB)  # anon RSS of the process with torch, the VAE and
 ENCODE_RAM_BASE = int(0.29 * GIB)
 ENCODE_RAM_PER_PIXEL_FRAME = 27.2  # the input video on the host (fp32 and its staging copy)
 VAE_BASE = int(0.55 * GIB)  # VAE weights, camera tensor, latents
-ENCODE_PER_PIXEL = 17_690  # encoder chunk activations and cache per output pixel
-ENCODE_PER_PIXEL_FRAME = 18  # the video on the device (fp32 + bf16)
+# the fp32 first-frame video (vae_input) on the device; the encode's own work beside it (fitted on the same
+# runs) is wan.vae.encode_work_bytes
+VIDEO_PER_PIXEL_FRAME = 12
 DECODE_BASE = int(0.39 * GIB)
 DECODE_PER_LATENT_PIXEL = 1_076_700  # decoder caches + activations per latent pixel of a tile
 # the causal caches' share of it (wan.vae's analytic split: 151,328 cache of 212,768 elements per pixel)
@@ -234,18 +243,17 @@ def activation_vram(tokens: int, config: DiTConfig, compile_: bool = False, rank
     return int(act)
 
 
-def encode_tile(lat_h: int, lat_w: int, tile, budget: int | None):
+def encode_tile(frame_num: int, lat_h: int, lat_w: int, tile, budget: int | None):
     """The tile `WanVAE.encode` uses: None (whole frame) or (tile_h, tile_w). 'auto' resolves as the encode
-    does (`pick_tile` on the encoder's analytic bytes per latent pixel; `budget`: free VRAM at the
-    encode); a tile as big as the frame is the whole frame."""
+    does (`pick_encode_tile`; `budget`: free VRAM before the VAE and the video come onto the device); a tile
+    as big as the frame is the whole frame."""
     if tile == "auto":
         if budget is None:
             return None
         with warnings.catch_warnings():  # the plan itself says what does not fit
             warnings.simplefilter("ignore")
-            tile = pick_tile(
-                None, lat_h, lat_w, budget, DEFAULT_OVERLAP, bytes_per_pixel=encode_bytes_per_pixel()
-            )
+            beside = budget - VAE_BASE - VIDEO_PER_PIXEL_FRAME * frame_num * lat_h * lat_w * 64
+            tile = pick_encode_tile(frame_num, lat_h, lat_w, beside)
     if tile is None or tile_count(lat_h, lat_w, tile) == 1:
         return None
     return min(tile[0], lat_h), min(tile[1], lat_w)
@@ -256,30 +264,11 @@ def tile_count(lat_h: int, lat_w: int, tile: tuple) -> int:
     return len(tile_spans(lat_h, tile[0], DEFAULT_OVERLAP)) * len(tile_spans(lat_w, tile[1], DEFAULT_OVERLAP))
 
 
-@functools.cache
-def encode_bytes_per_pixel() -> int:
-    """`WanVAE.encode_bytes_per_latent_pixel` of the Wan2.1 VAE in fp32, as `loaders.vae.load_vae` loads it
-    (what 'auto' tiling decides with), from its structure alone (built on the meta device)."""
-    import torch
-
-    from ..wan.vae import WanVAE
-
-    with torch.device("meta"):
-        return WanVAE().encode_bytes_per_latent_pixel()
-
-
-def encode_vram(frame_num: int, lat_f: int, lat_h: int, lat_w: int, tile) -> int:
-    """The first-frame encode's peak: the VAE and the video on the device, the encoder's activations over
-    one tile (`tile`: None for the whole frame, as `encode_tile` gives it) and, when tiled, the fp32
-    latent accumulator, its weight sum and one tile's latent."""
-    pixels = lat_h * lat_w * 64
-    video = ENCODE_PER_PIXEL_FRAME * frame_num * pixels
-    if tile is None:
-        return int(VAE_BASE + video + ENCODE_PER_PIXEL * pixels)
-    area = tile[0] * tile[1]
-    z = 16
-    accum = z * lat_f * lat_h * lat_w * 4 + lat_h * lat_w * 4 + 2 * z * lat_f * area * 4 + area * 4
-    return int(VAE_BASE + video + ENCODE_PER_PIXEL * area * 64 + accum)
+def encode_vram(frame_num: int, lat_h: int, lat_w: int, tile) -> int:
+    """The first-frame encode's peak: the VAE and the video on the device and the encode's work over one tile
+    (`tile`: None for the whole frame, as `encode_tile` gives it; `wan.vae.encode_work_bytes`)."""
+    video = VIDEO_PER_PIXEL_FRAME * frame_num * lat_h * lat_w * 64
+    return int(VAE_BASE + video + encode_work_bytes(frame_num, lat_h, lat_w, tile))
 
 
 @functools.cache
@@ -458,10 +447,8 @@ class Planner:
         text = Phase("text_encode", t5_vram, t5_ram, f"T5 on {'GPU' if t5_gpu else 'CPU'}, {where}")
 
         # 'auto' encode tiling decides from the VRAM free once the VAE and the video are on the device
-        video = 3 * 4 * self.frame_num * pixels  # the fp32 first-frame video (vae_input)
-        enc_budget = None if budget is None else budget - VAE_BASE - video
-        enc_tile = encode_tile(lat_h, lat_w, r.vae_tile, enc_budget)
-        enc_vram = encode_vram(self.frame_num, lat_f, lat_h, lat_w, enc_tile)
+        enc_tile = encode_tile(self.frame_num, lat_h, lat_w, r.vae_tile, budget)
+        enc_vram = encode_vram(self.frame_num, lat_h, lat_w, enc_tile)
         enc_ram = max(PROCESS_RAM, ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * self.frame_num)
         encode = Phase("vae_encode", int(enc_vram), int(enc_ram), f"tile {_tile_text(enc_tile)}")
 

@@ -276,7 +276,9 @@ def traced_chunk_blocks():
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     speed.compiler_missing = lambda device: None
-    speed._chunk_blocks = speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
+    speed._shared_runners[speed.run_chunk_block] = speed.CompiledBlocks(
+        backend=backend, fn=speed.run_chunk_block
+    )
     return graphs
 
 

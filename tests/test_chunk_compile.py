@@ -41,9 +41,8 @@ def counted(monkeypatch):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    monkeypatch.setattr(
-        speed, "_chunk_blocks", speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
-    )
+    runner = speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
+    monkeypatch.setitem(speed._shared_runners, speed.run_chunk_block, runner)
     yield graphs
     torch._dynamo.reset()
 
@@ -127,13 +126,13 @@ def test_front_ends_pass_compile_to_the_session_config():
 def test_real_compile_of_the_chunk_loop_matches_eager(monkeypatch):
     if speed.compiler_missing(torch.device("cpu")):
         pytest.skip("no C++ compiler for inductor")
-    monkeypatch.setattr(speed, "_chunk_blocks", None)
+    monkeypatch.delitem(speed._shared_runners, speed.run_chunk_block, raising=False)
     torch._dynamo.reset()
     m = model()
     y, ctx, cam = inputs()
     want = generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW), "cpu")
     got = generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW, compile=True), "cpu")
-    assert not speed._chunk_blocks.failed
+    assert not speed._shared_runners[speed.run_chunk_block].failed
     # bf16 compute: a fused kernel may move values by a few bf16 ulps
     assert torch.allclose(got, want, rtol=0.05, atol=0.05)
     assert (got - want).abs().mean() < 0.01 * want.abs().mean()

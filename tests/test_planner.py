@@ -17,6 +17,7 @@ from lingbot_world.loaders import demo_assets  # noqa: E402
 from lingbot_world.session import doctor  # noqa: E402
 from lingbot_world.session import planner as mp  # noqa: E402
 from lingbot_world.wan import i2v  # noqa: E402
+from lingbot_world.wan import vae as V  # noqa: E402
 from lingbot_world.wan.config import A14B  # noqa: E402
 
 GIB = mp.GIB
@@ -322,17 +323,15 @@ class _Picked(Exception):
 def encode_pick(monkeypatch, h, w, frames, budget):
     """The tile `WanVAE.encode(tile='auto')` chooses for an h x w x frames video with `budget` bytes free
     (the full-size VAE on the meta device; stopped right after the choice)."""
-    from lingbot_world.wan import vae as V
-
     picked = {}
-    real = mp.pick_tile  # the original (an earlier call may have replaced V.pick_tile)
+    real = mp.pick_encode_tile  # the original (an earlier call may have replaced V.pick_encode_tile)
 
     def spy(*args, **kw):
         picked["tile"] = real(*args, **kw)
         raise _Picked
 
     monkeypatch.setattr(V, "free_vram", lambda device: budget)
-    monkeypatch.setattr(V, "pick_tile", spy)
+    monkeypatch.setattr(V, "pick_encode_tile", spy)
     monkeypatch.setattr(V, "check_video", lambda video: None)  # a meta video has no values to check
     with torch.device("meta"):
         vae = V.WanVAE()
@@ -359,6 +358,45 @@ def test_encode_tile_is_the_one_the_encode_picks(monkeypatch, h, w, frames):
         assert seen[0] < untiled  # tiling saves what scales with the frame's area
 
 
+@pytest.mark.parametrize("h,w,frames", [(480, 832, 81), (720, 1280, 81), (720, 1280, 161)])
+def test_auto_encode_tile_fits_where_any_tile_does(h, w, frames):
+    """The tile 'auto' encodes with and the planner's figure are one estimate (`wan.vae.encode_work_bytes`):
+    for any budget the planner counts the tile the encode picks, and that figure fits the budget, or not even
+    the smallest tile does and the plan is refused at the encode (the chunked plan likewise)."""
+    from lingbot_world.session import fast_run
+    from lingbot_world.wan.config import CHUNKED_KINDS
+
+    least = (mp.DECODE_MIN_TILE, mp.DECODE_MIN_TILE)
+    kind = CHUNKED_KINDS["v2-1.3b"]
+    chunked = functools.partial(
+        fast_run.fast_memory,
+        fast_run.ChunkedModel.of_kind(kind),
+        (i2v.latent_frames(frames), *planner(h, w, frames).size[:2]),
+        fast_run.fast_config(None, 0, None, None, "fp8", kind),
+        True,
+        0,
+        "auto",
+    )
+    fitted = refused = 0
+    for budget in range(GIB, 40 * GIB, GIB // 4):
+        p = planner(h, w, frames, t5_device="cpu", swap_blocks=40)
+        plan = p.plan(budget)
+        lat_h, lat_w = plan.size[:2]
+        figure = plan.phase("vae_encode").vram
+        assert figure == mp.encode_vram(frames, lat_h, lat_w, plan.encode_tile)  # the picked tile's figure
+        smallest = mp.encode_vram(frames, lat_h, lat_w, mp.encode_tile(frames, lat_h, lat_w, least, None))
+        if figure <= budget:
+            fitted += 1
+        else:
+            refused += 1
+            assert figure == smallest > budget, budget / GIB  # no tile fits: the smallest is counted
+            with pytest.raises(mp.MemoryPlanError) as err:
+                mp.check(p, budget)
+            assert err.value.phase == "vae_encode"
+        assert chunked(budget=budget).encode == figure  # the chunked plan counts the same encode
+    assert fitted and refused  # the range crosses the smallest tile's figure
+
+
 def test_explicit_encode_tile_bounds_the_encode():
     whole = planner(720, 1280, 81, vae_tile=None).plan()
     tiled = planner(720, 1280, 81, vae_tile=(48, 64)).plan()
@@ -369,7 +407,7 @@ def test_explicit_encode_tile_bounds_the_encode():
     # the activations shrink to the tile's area; the video, the VAE and the fp32 accumulators stay
     area_share = (48 * 64) / (90 * 160)
     assert enc < whole.phase("vae_encode").vram * 0.5
-    assert enc > mp.VAE_BASE + 18 * 81 * 720 * 1280 + area_share * mp.ENCODE_PER_PIXEL * 720 * 1280
+    assert enc > mp.VAE_BASE + 18 * 81 * 720 * 1280 + area_share * V.ENCODE_BYTES_PER_LATENT_PIXEL * 90 * 160
     # an encode that does not fit untiled is answered with tiling first
     with pytest.raises(mp.MemoryPlanError, match="--vae_tile auto") as err:
         mp.check(planner(720, 1280, 81, vae_tile=None, t5_device="cpu", swap_blocks=40), 16 * GIB)

@@ -281,8 +281,10 @@ def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(fast_ck
 
     torch._dynamo.reset()
     monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    monkeypatch.setattr(
-        speed, "_chunk_blocks", speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
+    monkeypatch.setitem(
+        speed._shared_runners,
+        speed.run_chunk_block,
+        speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block),
     )
     try:
         plain, plain_counts, _ = play_script(fast_ckpt, image)

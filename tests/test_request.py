@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import NODE_SIZE, node_inputs, tiny_lora
+from helpers import NODE_SIZE, args_for, node_inputs, tiny_lora
 from lingbot_world import cli
 from lingbot_world.loaders import checkpoints
 from lingbot_world.loaders.camera_files import CameraInput
@@ -139,39 +139,12 @@ def test_cli_encodes_the_negative_prompt_only_for_cfg(
         lambda path, prompts, **kw: (seen.append(list(prompts)), real(path, prompts, **kw))[1],
     )
     monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
-    args = _set(
-        args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess"), "--sampling_steps", "2"
-    )
+    args = args_for(ckpt, shipped_example, tmp_path / "o.mp4", "--t5_mode", "inprocess")
     assert cli.main([*args, "--guide_scale", *guide]) == 0
     assert len(seen) == 1 and len(seen[0]) == encoded and seen[0][0] == "a castle"
 
 
 # ------------------------------------------------------------------ the CLI refuses before anything loads
-
-
-def args_for(ckpt, example, out, *extra):
-    return [
-        "generate",
-        "--ckpt_dir",
-        str(ckpt),
-        "--image",
-        str(example / "image.jpg"),
-        "--prompt",
-        "a castle",
-        "--action_path",
-        str(example),
-        "--size",
-        "64*112",
-        "--frame_num",
-        "9",
-        "--sampling_steps",
-        "4",
-        "--device",
-        "cpu",
-        "--output",
-        str(out),
-        *extra,
-    ]
 
 
 @pytest.fixture
@@ -379,7 +352,7 @@ def test_cli_and_sampler_node_give_the_same_latent(ckpt, shipped_example, tmp_pa
 
 
 def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
-    """The sampler node's latent for the request `args_for` makes (4 steps, seed 7, 64*112, 9 frames)."""
+    """The sampler node's latent for the request `args_for` makes (2 steps, seed 7, 64*112, 9 frames)."""
     text, vae, camera, image = node_inputs(nodes, example)
     (out,) = nodes.LingBotSampler().sample(
         experts,
@@ -387,7 +360,7 @@ def _node_latent(nodes, experts, example, guide=(4.0, 6.0)):
         image,
         *NODE_SIZE,
         9,
-        4,
+        2,
         10.0,
         0.947,
         *guide,

@@ -244,7 +244,7 @@ def test_compiled_blocks_trace_once_for_all_blocks_steps_and_experts():
 def test_compiled_sampling_loop_traces_once_and_leaves_experts_plain(inputs, monkeypatch):
     runner, graphs = counting_blocks()
     monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    monkeypatch.setattr(speed, "_compiled_blocks", runner)
+    monkeypatch.setitem(speed._shared_runners, speed.run_block, runner)
     stats = SpeedStats()
     out = inputs.denoise(speed=SpeedOptions(compile=True), stats=stats)
     assert stats.compiled and len(graphs) == 2  # 16 steps x 2 branches x 2 experts x 2 blocks
@@ -304,7 +304,7 @@ def test_real_compile_matches_eager_on_a_tiny_model():
             compiled = model(*args, y=inp.y, cam=inp.cam)
         finally:
             model.block_runner = None
-    assert not speed._compiled_blocks.failed
+    assert not speed._shared_runners[speed.run_block].failed
     # the prediction is bf16-rounded: a fused kernel may move values by a few bf16 ulps
     assert torch.allclose(compiled, eager, rtol=0.05, atol=0.05)
     assert (compiled - eager).abs().mean() < 0.01 * eager.abs().mean()

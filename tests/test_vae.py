@@ -1,5 +1,7 @@
 """Wan2.1 VAE: upstream names/shapes, streaming encode/decode, tiling, loading, bad input (CPU, tiny)."""
 
+import functools
+
 import pytest
 import torch
 from lingbot_world.loaders.vae import load_vae
@@ -167,14 +169,14 @@ def test_tiled_encode_equals_untiled(tiny):
 
 
 def test_encode_auto_tile_budget():
-    with torch.device("meta"):
-        full = V.WanVAE()
-    bpp = full.encode_bytes_per_latent_pixel()
-    assert 0 < bpp < 64 * full.decode_bytes_per_latent_pixel(2)
-    # 480p (60x104 latent pixels) within 3 GiB needs tiles; each tile's estimate fits the budget.
-    th, tw = V.pick_tile(full, 60, 104, 3 * 2**30, bytes_per_pixel=bpp, what="encode")
-    assert (th, tw) != (60, 104) and th * tw * bpp * V.AUTO_SAFETY <= 3 * 2**30
-    assert V.pick_tile(full, 60, 104, 64 * 2**30, bytes_per_pixel=bpp) is None
+    work = functools.partial(V.encode_work_bytes, 81, 60, 104)  # 480p x 81 frames: 60x104 latent pixels
+    assert work(None) == 6 * 81 * 480 * 832 + V.ENCODE_BYTES_PER_LATENT_PIXEL * 60 * 104
+    assert work(None, torch.bfloat16) < work(None)  # the activations at the VAE's dtype
+    # within 3 GiB 480p needs tiles; the tile's work (times the headroom) fits the budget
+    th, tw = V.pick_encode_tile(81, 60, 104, 3 * 2**30)
+    assert (th, tw) != (60, 104) and work((th, tw)) * V.ENCODE_SAFETY <= 3 * 2**30
+    assert V.pick_encode_tile(81, 60, 104, work((60, 104)) * V.ENCODE_SAFETY) is None  # room: the whole frame
+    assert V.pick_encode_tile(81, 60, 104, None) is None  # CPU: untiled
 
 
 def test_tile_spans_and_auto():

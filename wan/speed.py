@@ -178,36 +178,32 @@ class CompiledBlocks:
         return self.fn(block, *args)
 
 
-_compiled_blocks: CompiledBlocks | None = None
-_chunk_blocks: CompiledBlocks | None = None
+_shared_runners: dict = {}  # the compiled function (`run_block`, `run_chunk_block`) -> its shared runner
+
+
+def shared_runner(fn, device) -> CompiledBlocks | None:
+    """The shared compiled runner of `fn` (a fresh one after a compiler failure), or None (eager) with one log
+    line when the compiler is unavailable for `device`."""
+    reason = compiler_missing(torch.device(device))
+    if reason is not None:
+        log.warning("compile requested but unavailable: %s; running the DiT blocks eagerly", reason)
+        return None
+    runner = _shared_runners.get(fn)
+    if runner is None or runner.failed:
+        runner = _shared_runners[fn] = CompiledBlocks(fn=fn)
+    return runner
 
 
 def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
     """The shared compiled block runner when `options.compile` asks for it and the compiler is there;
     otherwise None (eager), with one log line when compile was asked for but is unavailable."""
-    global _compiled_blocks
-    if not options.compile:
-        return None
-    reason = compiler_missing(torch.device(device))
-    if reason is not None:
-        log.warning("compile requested but unavailable: %s; running the DiT blocks eagerly", reason)
-        return None
-    if _compiled_blocks is None or _compiled_blocks.failed:
-        _compiled_blocks = CompiledBlocks()
-    return _compiled_blocks
+    return shared_runner(run_block, device) if options.compile else None
 
 
 def chunk_block_runner(device) -> CompiledBlocks | None:
     """The chunk loop's shared compiled runner of `run_chunk_block` (`wan.fast.FastConfig.compile`), or None
     (eager) with one log line when the compiler is unavailable."""
-    global _chunk_blocks
-    reason = compiler_missing(torch.device(device))
-    if reason is not None:
-        log.warning("compile requested but unavailable: %s; running the DiT blocks eagerly", reason)
-        return None
-    if _chunk_blocks is None or _chunk_blocks.failed:
-        _chunk_blocks = CompiledBlocks(fn=run_chunk_block)
-    return _chunk_blocks
+    return shared_runner(run_chunk_block, device)
 
 
 def check_fp8_loaded(model: torch.nn.Module, options: SpeedOptions) -> None:

@@ -82,6 +82,13 @@ SPATIAL_STRIDE = 8
 TEMPORAL_STRIDE = 4
 DEFAULT_OVERLAP = 16  # latent pixels (128 output pixels) shared by neighbouring decode tiles, ~the decoder's receptive radius
 AUTO_SAFETY = 1.25  # headroom over the analytic peak for conv workspaces and allocator fragmentation
+# The encode's working memory beside the VAE and its fp32 input video, fitted to the allocated peaks of untiled
+# 480p and 720p x 81 encodes of the full-size fp32 VAE on an H200 (within 2 %; the run planner's figure): the
+# encoder's chunk activations and causal caches per latent pixel of a tile (at the VAE's dtype), and 2 bytes per
+# input element. 'auto' encode tiling picks with this figure, so the tile it picks is one the planner counts.
+ENCODE_BYTES_PER_LATENT_PIXEL = 17_690 * SPATIAL_STRIDE**2
+ENCODE_BYTES_PER_INPUT_ELEMENT = 2
+ENCODE_SAFETY = 1.06  # 'auto' encode tiling's headroom over that measured figure (allocator fragmentation)
 
 # Decode dtypes by the name the front ends take; "fp32" is the exact path (upstream's).
 DECODE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -449,9 +456,7 @@ class WanVAE(nn.Module):
         s = SPATIAL_STRIDE
         h, w = video.shape[2] // s, video.shape[3] // s
         if tile == "auto":
-            budget = free_vram(self.device)
-            bpp = self.encode_bytes_per_latent_pixel()
-            tile = pick_tile(self, h, w, budget, overlap, bytes_per_pixel=bpp, what="encode")
+            tile = pick_encode_tile(video.shape[1], h, w, free_vram(self.device), overlap, self.dtype)
         if tile is None:
             return normalize_latent(self._encode_tile(video)[0], self.latent_mean, self.latent_std)
         check_tile(tile, overlap)
@@ -483,25 +488,6 @@ class WanVAE(nn.Module):
         mu = self.conv1(torch.cat(chunks, dim=2))[:, : self.z_dim]
         del chunks
         return mu
-
-    def encode_bytes_per_latent_pixel(self) -> int:
-        """Analytic peak encode memory per latent pixel of a tile (model dtype), the way
-        `decode_bytes_per_latent_pixel` counts: every cached causal conv's CACHE_T input frames at its
-        resolution, plus the widest conv's input, padded input, output and new cache for a chunk of
-        TEMPORAL_STRIDE frames (halved by each temporal downsample), plus the input tile itself."""
-        enc = self.encoder
-        area, frames = SPATIAL_STRIDE**2, TEMPORAL_STRIDE
-        cache_elems = peak = 0
-        for block in (enc.conv1, *enc.downsamples, *enc.middle, *enc.head):
-            for m in block.modules():
-                if isinstance(m, CausalConv3d) and m.time_pad > 0:
-                    cache_elems += CACHE_T * m.in_channels * area
-                    peak = max(peak, (3 * frames + CACHE_T) * m.in_channels * area)
-            if isinstance(block, Resample):
-                area //= 4
-                if block.mode == "downsample3d":
-                    frames = max(1, frames // 2)
-        return (cache_elems + peak + 3 * TEMPORAL_STRIDE * SPATIAL_STRIDE**2) * self.dtype.itemsize
 
     @torch.no_grad()
     def decode(
@@ -806,17 +792,18 @@ def pick_tile(
     chunk_frames: int = 2,
     bytes_per_pixel: int | None = None,
     what: str = "decode",
+    safety: float = AUTO_SAFETY,
 ):
-    """(tile_h, tile_w) latent pixels whose estimated decode peak fits `budget` bytes, choosing the
-    tile grid that decodes the least total area; None when the whole frame fits or no budget is
+    """(tile_h, tile_w) latent pixels whose estimated decode peak (times `safety`) fits `budget` bytes,
+    choosing the tile grid that decodes the least total area; None when the whole frame fits or no budget is
     known (CPU). If nothing fits, the smallest sensible tile (2*overlap + 8) is returned with a warning.
-    `bytes_per_pixel` replaces the decode estimate (the encode passes its own).
+    `bytes_per_pixel` replaces the decode estimate (`pick_encode_tile` passes the encode's).
     """
     if budget is None:
         return None
     if bytes_per_pixel is None:
         bytes_per_pixel = vae.decode_bytes_per_latent_pixel(chunk_frames)
-    area = max(budget, 0) / (bytes_per_pixel * AUTO_SAFETY)
+    area = max(budget, 0) / (bytes_per_pixel * safety)
     if h * w <= area:
         return None
 
@@ -845,6 +832,35 @@ def pick_tile(
         )
         return smallest
     return best[1], best[2]
+
+
+def encode_work_bytes(frames: int, h: int, w: int, tile, dtype: torch.dtype = torch.float32) -> int:
+    """Peak bytes an encode of a [3, frames, 8h, 8w] video holds beside the VAE and the video itself (the
+    measured ENCODE_BYTES_* figure): the encoder's activations and caches over one tile (`tile` (tile_h,
+    tile_w) latent pixels; None: the whole frame) and, tiled, the fp32 latent accumulator, its weight sum and
+    one tile's latent and weighted copy. One figure for 'auto' tiling and the run planner."""
+    z, t = WAN21_VAE_CONFIG["z_dim"], (frames - 1) // TEMPORAL_STRIDE + 1
+    area = h * w if tile is None else min(tile[0], h) * min(tile[1], w)
+    work = ENCODE_BYTES_PER_INPUT_ELEMENT * 3 * frames * h * w * SPATIAL_STRIDE**2
+    work += ENCODE_BYTES_PER_LATENT_PIXEL * dtype.itemsize // 4 * area
+    if tile is not None:
+        work += 4 * (z * t * h * w + h * w + 2 * z * t * area + area)
+    return work
+
+
+def pick_encode_tile(
+    frames: int, h: int, w: int, budget: int | None, overlap: int = DEFAULT_OVERLAP, dtype=torch.float32
+):
+    """The tile 'auto' encodes a [3, frames, 8h, 8w] video with, `budget` bytes free beside the VAE and the
+    video (None: untiled): `pick_tile` on `encode_work_bytes`, so the tile's figure fits the budget wherever
+    the smallest tile's does."""
+    if budget is None:
+        return None
+    fixed = encode_work_bytes(frames, h, w, (0, 0), dtype)  # what a tiled encode holds whatever the tile
+    per_pixel = encode_work_bytes(frames, h, w, (1, 1), dtype) - fixed
+    return pick_tile(
+        None, h, w, budget - fixed, overlap, bytes_per_pixel=per_pixel, what="encode", safety=ENCODE_SAFETY
+    )
 
 
 def check_tile(tile, overlap: int) -> None:

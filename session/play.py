@@ -39,7 +39,7 @@ from ..wan.camera_presets import DEFAULT_HFOV_DEG
 from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
 from ..wan.pipeline import frames_to_uint8
-from ..wan.vae import decode_dtype
+from ..wan.vae import decode_dtype, decoder_levers
 from . import fast_run
 from .controls import ChunkCamera, Controls
 from .planner import GIB, PROCESS_RAM, free_memory
@@ -263,7 +263,8 @@ class PlaySession:
             intr = fast_run.steering_intrinsics(None, self.size, DEFAULT_HFOV_DEG)
         self._camera = ChunkCamera(self.size, intr, self.chunk, device=self.device)
         self.intrinsics_used = self._camera.intrinsics
-        self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype)
+        levers = decoder_levers(self._decode_dtype, self.config.compile)
+        self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype, **levers)
         self._landed = {}
         self.poses = []
         self.rollouts += 1

@@ -502,6 +502,8 @@ def test_subpixel_decoder_equals_plain(tiny):
 
 
 def test_levers_need_the_fast_decoder(tiny):
+    assert V.decoder_levers(torch.float16, True) == {"compile": True, "subpixel": True}
+    assert V.decoder_levers(torch.float16, False) == V.decoder_levers(None, True) == {}
     for lever in ("compile", "subpixel"):
         with pytest.raises(ValueError, match="levers of the fast decoder; they need a dtype"):
             tiny.chunk_decoder(**{lever: True})

@@ -957,6 +957,13 @@ class ChunkDecoder:
             yield self._finish(out)
 
 
+def decoder_levers(dtype: torch.dtype | None, compile: bool) -> dict:
+    """The `ChunkDecoder` levers a front end's compile switch turns on: for the fast decoder (a `dtype`)
+    compiled blocks with sub-pixel upsampling (compiled, its arithmetic differs from the eager fast decoder's
+    anyway); none for the exact decoder (None), which stays exact."""
+    return {"compile": True, "subpixel": True} if compile and dtype is not None else {}
+
+
 def decode_dtype(name: str, device) -> torch.dtype | None:
     """The decode a front end's name asks for: None for 'fp32' (the exact decode, the VAE's own decoder),
     else the fast decoder's dtype; ValueError (naming `vae_dtype` and the fallback) where `device` lacks it.

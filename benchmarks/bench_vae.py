@@ -268,14 +268,12 @@ def bench_chunks(vae, scale, device, record, args) -> dict:
                     outs.append(torch.cat(pieces, dim=1))
             peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
             graphs_timed = counters["stats"]["unique_graphs"] - graphs
-        except (
-            Exception
-        ) as e:  # one variant's failure (a compile error, OOM) is reported, the others still run
+        except Exception as e:  # a variant's failure (compile error, out of memory) is its row; the rest run
             if name == "fp32":
                 raise
             error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
             record(f"chunk_{name}", float("nan"), None, None, error=error)
-            outs = None
+            dec = outs = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue

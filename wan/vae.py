@@ -495,7 +495,9 @@ class DecoderLevers:
                     self.spatial[m] = (w, None if b is None else b.to(like.device, dtype))
 
     def _run(self, step, *args):
-        with torch._dynamo.config.patch(recompile_limit=DECODER_RECOMPILE_LIMIT):
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        with config.patch(name, DECODER_RECOMPILE_LIMIT):
             return self.runner(step, *args)
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cache: Cache) -> torch.Tensor:

@@ -481,6 +481,8 @@ class DecoderLevers:
     def __init__(self, decoder: Decoder3d, source: Decoder3d | None, runner):
         self.runner = runner
         dtype = decoder.conv1.weight.dtype
+        cl = not decoder.conv1.weight.is_contiguous()  # channels-last weights: channels-last activations
+        self.fmt = torch.channels_last_3d if cl else torch.contiguous_format
         self.gains = {m: m.gamma.float() * m.scale for m in decoder.modules() if isinstance(m, RMS_norm)}
         self.spatial = {}  # upsampling Resample -> its sub-pixel conv (weight, bias)
         if source is not None:
@@ -495,10 +497,20 @@ class DecoderLevers:
                     self.spatial[m] = (w, None if b is None else b.to(like.device, dtype))
 
     def _run(self, step, *args):
+        # graphs are keyed by exact strides, size-1 dims' included: every 5-D tensor goes in with the strides
+        # `fmt` gives its sizes (a sub-chunk or a cache is a strided view; the attention's output is not
+        # channels-last), so each block shape has one graph
+        args = [self._canonical(a) if isinstance(a, torch.Tensor) and a.dim() == 5 else a for a in args]
         config = torch._dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
         with config.patch(name, DECODER_RECOMPILE_LIMIT):
             return self.runner(step, *args)
+
+    def _canonical(self, a: torch.Tensor) -> torch.Tensor:
+        n, c, t, h, w = a.shape
+        cl = self.fmt == torch.channels_last_3d
+        want = (c * t * h * w, 1, h * w * c, w * c, c) if cl else (c * t * h * w, t * h * w, h * w, w, 1)
+        return a if a.stride() == want else a.clone(memory_format=self.fmt)
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cache: Cache) -> torch.Tensor:
         if isinstance(layer, ResidualBlock):

@@ -399,7 +399,7 @@ def _fused_norm_silu(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
 def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists."""
     x = torch.cat([cache, x], dim=2)
-    return x, x[:, :, -CACHE_T:].clone()
+    return x, x[:, :, -CACHE_T:].clone(memory_format=_format(x))  # dense: the next call takes it as it is
 
 
 def _residual_step(x, c1, c2, g1, w1, b1, g2, w2, b2, ws, bs):

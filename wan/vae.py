@@ -17,7 +17,8 @@ tiles, each streamed through all frames with its own cache and blended linearly 
 
 A faster, lossy decode is an option (`decode_dtype`): a copy of the decoder in bf16 or fp16 with its conv
 weights channels-last (NDHWC, what tensor-core conv kernels read), beside the exact path in the VAE's own
-dtype, which stays the default.
+dtype, which stays the default. That copy has opt-in levers (`DecoderLevers`): sub-pixel upsampling and
+torch.compile'd blocks.
 """
 
 import math
@@ -344,10 +345,8 @@ class Decoder3d(nn.Module):
 
 # The fast decoder's opt-in levers (`ChunkDecoder(compile=..., subpixel=...)`); the exact decoder never runs them.
 
-_PHASE_TAPS = (
-    ((0,), (1, 2)),
-    ((0, 1), (2,)),
-)  # phase a: the 3x3 kernel rows landing on input rows i-1+a, i+a
+# phase a (and b): the 3x3 kernel rows (columns) that land on input rows i-1+a and i+a
+_PHASE_TAPS = (((0,), (1, 2)), ((0, 1), (2,)))
 
 
 def subpixel_weight(
@@ -441,9 +440,8 @@ def _call_step(step, *args):
     return step(*args)
 
 
-_decoder_runner = (
-    None  # the compiled runner of the decoder steps, shared by every fast decoder of the process
-)
+# the compiled runner of the decoder steps, shared by every fast decoder of the process
+_decoder_runner = None
 DECODER_RECOMPILE_LIMIT = 64  # graphs: about 10 per frame size (one per block shape), so a few sizes fit
 
 
@@ -472,10 +470,11 @@ class DecoderLevers:
     compile: the residual blocks, the upsamples and the head run as torch.compile'd pure functions of their
     input, causal caches and weights that return the new caches (`_residual_step`, `_upsample_step`,
     `_head_step`): each RMS norm + SiLU (in fp32) and the cache concatenation become one pass before the
-    conv, the residual add joins the conv's bias. A stream's first latent frame (no caches yet, 1 frame per
-    stage) runs eagerly; from the second on every call has the same shapes (one graph per block shape and
-    frame size, compiled during the first chunk, none after). The upsamples then run all of a sub-chunk's
-    frames at once instead of frame by frame (a few hundred MB more at 464x832).
+    conv instead of about seven. A stream's first latent frame (no caches yet, 1 frame per stage) runs
+    eagerly; from the second on every call has the same shapes and strides (one graph per block shape and
+    frame size, about 10, compiled during the first chunk, none after). The upsamples then run all of a
+    sub-chunk's frames at once instead of frame by frame (without subpixel, the 2x input of 2 frames instead
+    of 1 at a time).
     """
 
     def __init__(self, decoder: Decoder3d, source: Decoder3d | None, runner):
@@ -488,13 +487,12 @@ class DecoderLevers:
         if source is not None:
             for m, src in zip(decoder.modules(), source.modules(), strict=True):
                 if isinstance(m, Resample) and m.mode.startswith("upsample"):
-                    like = m.resample[1].weight
+                    device = m.resample[1].weight.device
                     w, b = subpixel_weight(src.resample[1].weight, src.resample[1].bias)
-                    fmt = (
-                        torch.channels_last if like.is_contiguous(memory_format=torch.channels_last) else None
+                    w = w.to(device, dtype).contiguous(
+                        memory_format=torch.channels_last if cl else torch.contiguous_format
                     )
-                    w = w.to(like.device, dtype).contiguous(memory_format=fmt or torch.contiguous_format)
-                    self.spatial[m] = (w, None if b is None else b.to(like.device, dtype))
+                    self.spatial[m] = (w, None if b is None else b.to(device, dtype))
 
     def _run(self, step, *args):
         # graphs are keyed by exact strides, size-1 dims' included: every 5-D tensor goes in with the strides

@@ -1128,7 +1128,9 @@ def add_parallel_args(p: argparse.ArgumentParser, command: str, heads: str) -> N
 
 CHUNK_COMPILE_HELP = (
     "torch.compile the DiT blocks once the attention window is full (the chunks before it run eagerly; a "
-    "window that never fills never compiles); the first compiled chunk is slower while it compiles"
+    "window that never fills never compiles); the first compiled chunk is slower while it compiles. With "
+    "--vae_dtype bf16/fp16 the VAE decoder compiles too (during the first chunk), its upsamples as sub-pixel "
+    "convs; the exact fp32 decoder never compiles"
 )
 
 

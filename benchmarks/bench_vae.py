@@ -24,14 +24,19 @@ compared with the untiled one (max / mean abs difference).
 `--mode chunk` instead times the chunked decode of LingBot-World 2.0's loop at 464x832 (latent 58x104): a
 `ChunkDecoder` takes chunks of 4 latent frames, the first giving 13 frames, every later one 16; the 16-frame
 chunks are timed (median) after a warm-up stream. Variants: the exact fp32 decode (the default), the fast
-decoder in bf16 and fp16, each channels-last (the product's option) and not (to show the layout's share),
-and with --compile the fp16 channels-last decoder with each RMS norm + SiLU fused by torch.compile (a
-benchmark-only lever). Each variant decodes the same latents; its frames' PSNR against the fp32 decode's
-(peak-to-peak 2 for frames in [-1, 1]) is reported beside its time ratio. Later chunks are handed out latent
-frame by latent frame (`ChunkDecoder.stream`), so the time to a chunk's first 4 frames is reported too.
-Random weights cannot judge image quality: the PSNR shows the arithmetic's deviation, not what an eye sees.
+decoder in bf16 and fp16, each channels-last (the product's option) and not (to show the layout's share), and
+the fast decoder's levers (`wan.vae.DecoderLevers`): `subpixel` (each upsample's nearest 2x + 3x3 conv as the
+equal 2x2 sub-pixel conv), `compiled` (the blocks through torch.compile, as `fast/play --compile` run them)
+and both, with 2- or 4-frame sub-chunks. The warm-up stream (its own decoder, two chunks) compiles every graph;
+a compiled row reports its warm-up time, the graphs it compiled and the graphs compiled while timed (0 when
+nothing recompiles). A row that fails (compile error, out of memory) reports its error; the others still run.
+On the CPU the compiled rows are skipped unless --cpu-compile. Each variant decodes the same latents; its
+frames' PSNR against the fp32 decode's (peak-to-peak 2 for frames in [-1, 1]) is reported beside its time
+ratio. Later chunks are handed out latent frame by latent frame (`ChunkDecoder.stream`), so the time to a
+chunk's first 4 frames is reported too. Random weights cannot judge image quality: the PSNR shows the
+arithmetic's deviation, not what an eye sees. `--rows a,b` runs only those variants (and fp32).
 
-    python benchmarks/bench_vae.py --mode chunk --scale full --cudnn-benchmark --compile   # CUDA, ~2 min
+    python benchmarks/bench_vae.py --mode chunk --scale full --workdir /tmp/bench_vae   # CUDA, ~5 min (compiles)
 
 Prints one JSON line at the end.
 """
@@ -54,6 +59,8 @@ load_pack()
 from lingbot_world.loaders.vae import load_vae  # noqa: E402
 from lingbot_world.wan import i2v  # noqa: E402
 from lingbot_world.wan import vae as V  # noqa: E402
+from lingbot_world.wan.speed import compiler_missing  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 GIB = 2**30
 SCALES = {
@@ -190,50 +197,61 @@ def bench_decode(vae, size, scale, overlap, device, record, baseline):
             torch.cuda.set_per_process_memory_fraction(1.0, torch.device(device).index or 0)
 
 
-def fused_norm_silu():
-    """A patch for wan.vae._norm_silu: the RMS norm (normalise, sqrt(dim), gain) and SiLU as one compiled
-    kernel instead of four passes over the activation (benchmark only)."""
-    import torch.nn.functional as F
-
-    @torch.compile(dynamic=True)
-    def fused(x, gamma, scale: float):
-        return F.silu(F.normalize(x, dim=1) * scale * gamma)
-
-    return lambda norm: lambda x: fused(x, norm.gamma.to(x.dtype), norm.scale)
-
-
-def bench_chunks(vae, scale, device, record, compile_: bool) -> dict:
+def bench_chunks(vae, scale, device, record, args) -> dict:
     """The chunked decode per variant: time per 16-frame chunk, PSNR against fp32, peak VRAM."""
     height, width = scale["chunk_size"]
     h, w, n, chunks = height // 8, width // 8, CHUNK_LATENT_FRAMES, scale["chunks"]
     z = torch.randn(16, n * chunks, h, w, generator=torch.Generator().manual_seed(2)).to(device)
-    variants = [  # (name, dtype, channels-last, frames per sub-chunk after a temporal upsample)
-        ("fp32", None, False, 2),
-        ("bf16", torch.bfloat16, False, 2),
-        ("bf16_channels_last", torch.bfloat16, True, 2),
-        ("fp16", torch.float16, False, 2),
-        ("fp16_channels_last", torch.float16, True, 2),
-        ("fp16_channels_last_c4", torch.float16, True, 4),  # upstream's 4 frames: larger convs, more memory
+    f16, b16 = torch.float16, torch.bfloat16
+    variants = [  # (name, dtype, channels-last, frames per sub-chunk after a temporal upsample, levers)
+        ("fp32", None, False, 2, {}),
+        ("bf16", b16, False, 2, {}),
+        ("bf16_channels_last", b16, True, 2, {}),
+        ("fp16", f16, False, 2, {}),
+        ("fp16_channels_last", f16, True, 2, {}),
+        ("fp16_channels_last_c4", f16, True, 4, {}),  # upstream's 4 frames: larger convs, more memory
+        ("fp16_channels_last_subpixel", f16, True, 2, {"subpixel": True}),
+        ("fp16_channels_last_compiled", f16, True, 2, {"compile": True}),
+        ("fp16_channels_last_compiled_subpixel", f16, True, 2, {"compile": True, "subpixel": True}),
+        ("fp16_channels_last_compiled_subpixel_c4", f16, True, 4, {"compile": True, "subpixel": True}),
+        ("bf16_channels_last_compiled_subpixel", b16, True, 2, {"compile": True, "subpixel": True}),
     ]
-    if compile_:
-        variants.append(("fp16_channels_last_compiled", torch.float16, True, 2))
-    ref, fp32_s, rows = None, None, {}
-    plain_norm_silu = V._norm_silu
-    for name, dtype, channels_last, sub in variants:
-        if name.endswith("_compiled"):
-            V._norm_silu = fused_norm_silu()
+    if args.rows:
+        wanted = set(args.rows.split(",")) | {"fp32"}  # fp32 is every row's reference
+        unknown = wanted - {v[0] for v in variants}
+        if unknown:
+            raise SystemExit(
+                f"--rows: unknown {', '.join(sorted(unknown))}; rows: {', '.join(v[0] for v in variants)}"
+            )
+        variants = [v for v in variants if v[0] in wanted]
+    compile_issue = compiler_missing(device)
+    if device.type == "cpu" and not args.cpu_compile:
+        compile_issue = "CPU: inductor takes minutes to build; pass --cpu-compile"
+    ref, fp32_s = None, None
+    for name, dtype, channels_last, sub, levers in variants:
+        if levers.get("compile") and compile_issue:
+            record(f"chunk_{name}", float("nan"), None, None, skipped=compile_issue)
+            continue
+        settings = dict(chunk_frames=sub, dtype=dtype, channels_last=channels_last, **levers)
         try:
-            # warm-up: kernels, cuDNN's algorithm search, compile; a stream of two chunks
-            with vae.chunk_decoder(chunk_frames=sub, dtype=dtype, channels_last=channels_last) as dec:
+            # warm-up, untimed: kernels, cuDNN's algorithm search and, compiled, every graph (a stream's first
+            # latent frame runs eagerly, the later ones compile); two chunks through a decoder of their own
+            graphs = counters["stats"]["unique_graphs"]
+            t0 = time.perf_counter()
+            with vae.chunk_decoder(**settings) as dec:
                 for k in range(2):
                     dec.decode(z[:, k * n : (k + 1) * n])
             sync(device)
+            warmup_s, graphs_warmup = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - graphs
+            if levers.get("compile") and (V._decoder_runner is None or V._decoder_runner.failed):
+                raise RuntimeError("torch.compile failed; the decoder ran eagerly (see the log line above)")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
             outs, times, first = [], [], []
-            with vae.chunk_decoder(chunk_frames=sub, dtype=dtype, channels_last=channels_last) as dec:
+            graphs = counters["stats"]["unique_graphs"]
+            with vae.chunk_decoder(**settings) as dec:
                 t0 = time.perf_counter()
                 outs.append(dec.decode(z[:, :n]))
                 sync(device)
@@ -249,8 +267,16 @@ def bench_chunks(vae, scale, device, record, compile_: bool) -> dict:
                     times.append(time.perf_counter() - t0)
                     outs.append(torch.cat(pieces, dim=1))
             peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
-        finally:
-            V._norm_silu = plain_norm_silu
+            graphs_timed = counters["stats"]["unique_graphs"] - graphs
+        except Exception as e:  # a variant's failure (compile error, out of memory) is its row; the rest run
+            if name == "fp32":
+                raise
+            error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            record(f"chunk_{name}", float("nan"), None, None, error=error)
+            dec = outs = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         video = torch.cat(outs, dim=1)
         chunk_s = statistics.median(times)
         row = dict(
@@ -260,6 +286,10 @@ def bench_chunks(vae, scale, device, record, compile_: bool) -> dict:
             fps=round(n * 4 / chunk_s, 1),
             est_decode_gib=gib(vae.decode_bytes_per_latent_pixel(sub, dtype) * h * w),
         )
+        if levers.get("compile"):  # the warm-up compiled every graph; the timed stream compiled none
+            row.update(
+                warmup_s=round(warmup_s, 1), graphs_compiled=graphs_warmup, graphs_while_timed=graphs_timed
+            )
         if ref is None:
             ref, fp32_s = video, chunk_s
         else:
@@ -270,7 +300,6 @@ def bench_chunks(vae, scale, device, record, compile_: bool) -> dict:
                 row["time_vs_fp32"] <= TARGET_RATIO and row["psnr_db_vs_fp32"] >= TARGET_PSNR_DB
             )
         record(f"chunk_{name}", chunk_s, peak, None, **row)
-        rows[name] = row
         del video, outs
     return {
         "size": [height, width],
@@ -303,7 +332,12 @@ def main(argv=None) -> int:
         help="clip: whole-clip decode/encode, untiled vs tiled; chunk: the chunked decode, fp32 vs the fast decoder",
     )
     ap.add_argument(
-        "--compile", action="store_true", help="chunk mode: also the fp16 decoder with fused norms"
+        "--rows", default=None, help="chunk mode: a comma list of the variants to run (fp32 always runs)"
+    )
+    ap.add_argument(
+        "--cpu-compile",
+        action="store_true",
+        help="chunk mode on the CPU: run the compiled rows too (inductor takes minutes there)",
     )
     args = ap.parse_args(argv)
     scale = SCALES[args.scale]
@@ -346,7 +380,7 @@ def main(argv=None) -> int:
         print(name, json.dumps(row), flush=True)
 
     if args.mode == "chunk":
-        summary["chunk"] = bench_chunks(vae, scale, device, record, args.compile)
+        summary["chunk"] = bench_chunks(vae, scale, device, record, args)
         print(json.dumps(summary))
         return 0
     for size in args.sizes.split(","):

@@ -22,6 +22,7 @@ from ..wan.block_swap import resolve_swap_blocks
 from ..wan.config import CHUNKED_KINDS
 from ..wan.fast import FastConfig, FastSession, fast_latent_frames
 from ..wan.parallel import SequenceParallel
+from ..wan.vae import decoder_levers
 from . import distributed, fast_run
 from .request import check_text_dim
 
@@ -178,13 +179,14 @@ def run_files(
         with job.hooks.in_phase("load_vae"):
             vae = load_vae(files.vae, device)
     model = fast_run.FastModel(files, device, quantize=quantize or None, swap_blocks=swap)
+    levers = decoder_levers(decode_dtype, job.config.compile)  # --compile compiles the fast decoder too
     try:
         latent, made = run(
             model,
             functools.partial(vae.encode, tile=tile) if lead else None,
             context,
             job if lead else dataclasses.replace(job, on_chunk=lambda *_: None),
-            decoding=vae.chunk_decoder(tile, dtype=decode_dtype) if lead else None,
+            decoding=vae.chunk_decoder(tile, dtype=decode_dtype, **levers) if lead else None,
             ranks=ranks,
         )
     finally:

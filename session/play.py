@@ -60,7 +60,7 @@ from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
 from ..wan.parallel import SequenceParallel
 from ..wan.pipeline import frames_to_uint8
-from ..wan.vae import ChunkDecoder, decode_dtype
+from ..wan.vae import ChunkDecoder, decode_dtype, decoder_levers
 from . import distributed, fast_run
 from .controls import ChunkCamera, Controls
 from .planner import GIB, PROCESS_RAM, free_memory
@@ -456,7 +456,8 @@ class PlaySession:
             intr = fast_run.steering_intrinsics(None, self.size, DEFAULT_HFOV_DEG)
         self._camera = ChunkCamera(self.size, intr, self.chunk, device=self.device)
         self.intrinsics_used = self._camera.intrinsics
-        self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype)
+        levers = decoder_levers(self._decode_dtype, self.config.compile)
+        self._decoder = self._vae.chunk_decoder(self.tile, dtype=self._decode_dtype, **levers)
         self.poses = []
 
     def _end_rollout(self) -> None:

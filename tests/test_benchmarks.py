@@ -474,7 +474,11 @@ def test_bench_vae_chunk_mode(tmp_path):
     chunk, cases = s["chunk"], s["cases"]
     assert chunk["frames_per_chunk"] == 16 and chunk["chunks_timed"] == 1 and chunk["latent"] == [2, 4]
     names = ["fp32", "bf16", "bf16_channels_last", "fp16", "fp16_channels_last", "fp16_channels_last_c4"]
-    assert list(cases) == [f"chunk_{n}" for n in names]
+    names.append("fp16_channels_last_subpixel")
+    compiled = ["fp16_channels_last_compiled", "fp16_channels_last_compiled_subpixel"]
+    compiled += ["fp16_channels_last_compiled_subpixel_c4", "bf16_channels_last_compiled_subpixel"]
+    assert list(cases) == [f"chunk_{n}" for n in names + compiled]
+    assert all(cases[f"chunk_{n}"]["skipped"].startswith("CPU") for n in compiled)
     assert "psnr_db_vs_fp32" not in cases["chunk_fp32"]
     for n in names[1:]:
         row = cases[f"chunk_{n}"]
@@ -482,6 +486,9 @@ def test_bench_vae_chunk_mode(tmp_path):
         assert 35 < row["psnr_db_vs_fp32"] < math.inf
         assert row["meets_target"] == (row["time_vs_fp32"] <= 0.35 and row["psnr_db_vs_fp32"] >= 40)
     assert cases["chunk_fp16"]["psnr_db_vs_fp32"] > cases["chunk_bf16"]["psnr_db_vs_fp32"]
+    # the sub-pixel rewrite is exact up to rounding: as close to fp32 as the plain fp16 decoder
+    sub = cases["chunk_fp16_channels_last_subpixel"]["psnr_db_vs_fp32"]
+    assert abs(sub - cases["chunk_fp16_channels_last"]["psnr_db_vs_fp32"]) < 3
     # channels-last changes the layout, not the arithmetic's precision
     assert (
         abs(cases["chunk_bf16_channels_last"]["psnr_db_vs_fp32"] - cases["chunk_bf16"]["psnr_db_vs_fp32"]) < 3

@@ -145,3 +145,67 @@ def test_set_context_applies_from_the_next_chunk():
     assert torch.equal(a.next_chunk(cam[:, :, :3]), b.next_chunk(cam[:, :, :3]))
     b.set_context(ctx + 1)  # the text's keys are made again from the new prompt
     assert not torch.equal(a.next_chunk(cam[:, :, 3:6]), b.next_chunk(cam[:, :, 3:6]))
+
+
+@pytest.fixture
+def decoder_compiles(monkeypatch):
+    """Records each fast decoder's levers and each compiled-runner request, running them eagerly (CPU inductor
+    takes minutes; the decoder's compile itself is tested in test_vae.py), and keeps the DiT blocks eager."""
+    from lingbot_world.wan import vae as V
+
+    asked, made, real = [], [], V.WanVAE.decoder_in
+
+    def decoder_in(self, *args):
+        decoder = real(self, *args)
+        made.append(decoder.levers)
+        return decoder
+
+    monkeypatch.setattr(V, "decoder_runner", lambda device: asked.append(device))
+    monkeypatch.setattr(V.WanVAE, "decoder_in", decoder_in)
+    monkeypatch.setattr(speed, "chunk_block_runner", lambda device: None)
+    return asked, made
+
+
+def test_fast_compile_compiles_the_fast_decoder(
+    fast_ckpt, shipped_example, tmp_path, monkeypatch, decoder_compiles
+):
+    """`fast --compile --vae_dtype fp16` builds the fast decoder with its levers (compiled blocks, sub-pixel
+    upsampling); the fp16 decoder without --compile and the exact decoder with it have none."""
+    from helpers import fast_args
+
+    monkeypatch.setenv("LINGBOT_WORLD_CACHE", str(tmp_path / "cache"))
+    asked, made = decoder_compiles
+    runs = [("fp16", "--compile"), ("fp16",), ("fp32", "--compile")]
+    for dtype, *extra in runs:
+        out = tmp_path / f"{dtype}{len(extra)}.mp4"
+        assert (
+            cli.main(
+                fast_args(fast_ckpt, shipped_example, out, "--vae_dtype", dtype, "--frame_num", "9", *extra)
+            )
+            == 0
+        )
+    assert len(asked) == 1 and len(made) == 2  # fp32 decodes with the VAE's own decoder, no copy
+    assert made[0] is not None and len(made[0].spatial) == 3 and made[1] is None
+
+
+def test_play_compile_compiles_the_fast_decoder(fast_ckpt, shipped_example, decoder_compiles):
+    from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
+    from lingbot_world.session import play
+
+    asked, made = decoder_compiles
+    session = play.PlaySession(
+        resolve_fast_dir(fast_ckpt),
+        "cpu",
+        area=64 * 112,
+        t5_mode="inprocess",
+        condition_frames=4,
+        compile=True,
+        vae_dtype="fp16",
+    )
+    try:
+        session.start(cli.load_image(shipped_example / "image.jpg"), "a castle")
+        assert session.step() == 9
+        assert len(asked) == 1 and len(made) == 1 and made[0].spatial
+        assert session._decoder.decoder.levers is made[0]
+    finally:
+        session.close()

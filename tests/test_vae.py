@@ -431,14 +431,22 @@ def test_decode_bytes_scale_with_dtype():
     assert V.pick_tile(full, 60, 104, budget, bytes_per_pixel=bpp) is None
 
 
-@pytest.mark.parametrize(("tile", "dtype"), [(None, None), ((5, 6), None), ((5, 6), torch.bfloat16)])
-def test_stream_equals_decode(tiny, tile, dtype):
+@pytest.mark.parametrize(
+    ("tile", "dtype", "levers"),
+    [
+        (None, None, {}),
+        ((5, 6), None, {}),
+        ((5, 6), torch.bfloat16, {}),
+        ((5, 6), torch.float16, {"subpixel": True}),
+    ],
+)
+def test_stream_equals_decode(tiny, tile, dtype, levers):
     """Frames handed out per latent frame, concatenated, are the chunked decode's bit for bit (tiles and
-    the fast decoder included), and the two can be mixed within one stream."""
+    the fast decoder, with its sub-pixel upsampling, included), and the two can be mixed within one stream."""
     z = torch.randn(16, 7, 7, 9, generator=_gen(23))
-    with tiny.chunk_decoder(tile, overlap=3, dtype=dtype) as dec:
+    with tiny.chunk_decoder(tile, overlap=3, dtype=dtype, **levers) as dec:
         whole = torch.cat([dec.decode(z[:, :3]), dec.decode(z[:, 3:])], dim=1)
-    with tiny.chunk_decoder(tile, overlap=3, dtype=dtype) as dec:
+    with tiny.chunk_decoder(tile, overlap=3, dtype=dtype, **levers) as dec:
         pieces = list(dec.stream(z[:, :3]))
         assert [p.shape[1] for p in pieces] == [1, 4, 4]
         pieces += list(dec.stream(z[:, 3:5]))
@@ -447,3 +455,85 @@ def test_stream_equals_decode(tiny, tile, dtype):
     assert torch.equal(torch.cat(pieces, dim=1), whole)
     if dtype is None:
         assert torch.equal(whole, tiny.decode(z, tile=tile, overlap=3))
+
+
+# --- the fast decoder's levers: sub-pixel upsampling, compiled blocks ----------------------------------
+
+
+def _rel(x, ref):
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_subpixel_up_equals_upsample_then_conv(bias, channels_last):
+    """Nearest 2x then a 3x3 conv (padding 1) == the folded 2x2 conv on the low-res input, phases
+    interleaved, in fp32 up to rounding, borders included; the output keeps the input's layout."""
+    conv = torch.nn.Conv2d(6, 5, 3, padding=1, bias=bias)
+    torch.nn.init.normal_(conv.weight, generator=_gen(30))
+    x = torch.randn(2, 6, 5, 7, generator=_gen(31))
+    ref = conv(torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest-exact"))
+    w, b = V.subpixel_weight(conv.weight, conv.bias)
+    assert w.shape == (20, 6, 2, 2) and (b is None) == (not bias)
+    if channels_last:
+        x, w = (
+            x.contiguous(memory_format=torch.channels_last),
+            w.contiguous(memory_format=torch.channels_last),
+        )
+    out = V.subpixel_up(x, w, b)
+    assert out.shape == ref.shape and _rel(out, ref) <= 1e-6
+    assert out.is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def test_subpixel_decoder_equals_plain(tiny):
+    """The sub-pixel decoder in fp32 (levers on an fp32 copy) equals the exact decode up to fp32 rounding;
+    in fp16 it stays as close to fp32 as the plain fp16 decoder; the VAE and its decoder are untouched."""
+    z = torch.randn(16, 5, 5, 6, generator=_gen(32))
+    ref = tiny.decode(z)
+    before = {k: v.clone() for k, v in tiny.decoder.state_dict().items()}
+    for channels_last in (False, True):
+        with tiny.chunk_decoder(dtype=torch.float32, channels_last=channels_last, subpixel=True) as dec:
+            assert dec.decoder is not tiny.decoder and len(dec.decoder.levers.spatial) == 3
+            assert dec.decoder.state_dict().keys() == before.keys()  # no new parameters
+            out = torch.cat([dec.decode(z[:, :2]), dec.decode(z[:, 2:])], dim=1)
+        assert not torch.equal(out, ref) and _rel(out, ref) <= 1e-5
+    with tiny.chunk_decoder(dtype=torch.float16, subpixel=True) as dec:
+        assert _psnr(dec.decode(z), ref) > 60  # the plain fp16 decoder: ~66 dB
+    assert all(torch.equal(v, before[k]) for k, v in tiny.decoder.state_dict().items())
+    assert torch.equal(tiny.decode(z), ref) and tiny.decoder.levers is None
+
+
+def test_levers_need_the_fast_decoder(tiny):
+    assert V.decoder_levers(torch.float16, True) == {"compile": True, "subpixel": True}
+    assert V.decoder_levers(torch.float16, False) == V.decoder_levers(None, True) == {}
+    for lever in ("compile", "subpixel"):
+        with pytest.raises(ValueError, match="levers of the fast decoder; they need a dtype"):
+            tiny.chunk_decoder(**{lever: True})
+
+
+@pytest.mark.slow
+def test_compiled_decoder_equals_eager(tiny):
+    """torch.compile'd decoder blocks (CPU inductor, fp32, with sub-pixel upsampling) equal the exact decode
+    up to fp32 rounding; streaming equals decoding; a second stream of the same size compiles nothing new."""
+    from lingbot_world.wan.speed import compiler_missing
+
+    reason = compiler_missing(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"inductor cannot build CPU kernels here: {reason}")
+    from torch._dynamo.utils import counters
+
+    z = torch.randn(16, 5, 5, 6, generator=_gen(33))
+    ref = tiny.decode(z)
+    levers = dict(dtype=torch.float32, compile=True, subpixel=True)
+    before = counters["stats"]["unique_graphs"]
+    with tiny.chunk_decoder(**levers) as dec:
+        out = torch.cat([dec.decode(z[:, :2]), dec.decode(z[:, 2:])], dim=1)
+    assert V._decoder_runner is not None and not V._decoder_runner.failed
+    graphs = counters["stats"]["unique_graphs"]
+    # one graph per block shape: residual blocks at 4 sizes (one with a shortcut conv), 3 upsamples (the
+    # last at 1 and 2 frames), the head; views and layouts do not add any
+    assert 0 < graphs - before <= 10 and _rel(out, ref) <= 1e-5
+    with tiny.chunk_decoder(**levers) as dec:  # another stream, same size: the graphs serve it
+        pieces = list(dec.stream(z[:, :2])) + list(dec.stream(z[:, 2:]))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert torch.equal(torch.cat(pieces, dim=1), out)

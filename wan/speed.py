@@ -157,8 +157,8 @@ class CompiledBlocks:
     tensor is given, so a run traces at most a handful, all in its first forward. If the backend
     compiler fails, logs one line and runs the blocks eagerly from then on."""
 
-    def __init__(self, backend="inductor", fn=run_block):
-        self.fn = fn
+    def __init__(self, backend="inductor", fn=run_block, what="the DiT blocks"):
+        self.fn, self.what = fn, what
         self.compiled = torch.compile(fn, backend=backend, dynamic=False)
         self.failed = False
 
@@ -171,9 +171,10 @@ class CompiledBlocks:
                 cause = getattr(err, "inner_exception", None) or err
                 text = (str(cause).strip().splitlines() or [""])[0]
                 log.warning(
-                    "torch.compile failed (%s: %s); running the DiT blocks eagerly",
+                    "torch.compile failed (%s: %s); running %s eagerly",
                     type(cause).__name__,
                     text[:300],
+                    self.what,
                 )
         return self.fn(block, *args)
 

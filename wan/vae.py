@@ -17,7 +17,8 @@ tiles, each streamed through all frames with its own cache and blended linearly 
 
 A faster, lossy decode is an option (`decode_dtype`): a copy of the decoder in bf16 or fp16 with its conv
 weights channels-last (NDHWC, what tensor-core conv kernels read), beside the exact path in the VAE's own
-dtype, which stays the default.
+dtype, which stays the default. That copy has opt-in levers (`DecoderLevers`): sub-pixel upsampling and
+torch.compile'd blocks.
 """
 
 import math
@@ -198,7 +199,8 @@ class Resample(nn.Module):
             return conv(F.interpolate(x, scale_factor=(2.0, 2.0), mode="nearest-exact"))
         return conv(F.pad(x, (0, 1, 0, 1)))
 
-    def forward(self, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache, spatial=None) -> torch.Tensor:
+        # `spatial`: a replacement for `_spatial` (the fast decoder's sub-pixel upsample), same values
         if self.mode == "upsample3d":
             # The first chunk passes without temporal upsampling (1 latent frame -> 1 frame). Later
             # chunks run the time conv causally over the frames after the first, with zero history
@@ -209,7 +211,7 @@ class Resample(nn.Module):
                 x = x.view(b, 2, c, t, h, w).permute(0, 2, 3, 1, 4, 5).reshape(b, c, 2 * t, h, w)
             else:
                 cache[self] = None
-        x = _per_frame(self._spatial, x)
+        x = _per_frame(spatial or self._spatial, x)
         if self.mode == "downsample3d":
             # The first chunk's frame passes as is; later chunks see the previous chunk's last frame
             # in front and are halved in time by the stride-2 conv.
@@ -263,9 +265,9 @@ class AttentionBlock(nn.Module):
         return _per_frame(self._frame, x).add_(x)
 
 
-def _run(layers: nn.Sequential, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+def _run(layers: nn.Sequential, x: torch.Tensor, cache: Cache, levers=None) -> torch.Tensor:
     for layer in layers:
-        x = layer(x, cache)
+        x = layer(x, cache) if levers is None else levers(layer, x, cache)
     return x
 
 
@@ -325,23 +327,237 @@ class Decoder3d(nn.Module):
         self.head = nn.Sequential(
             RMS_norm(out_dim, images=False), nn.SiLU(), CausalConv3d(out_dim, 3, 3, padding=1)
         )
+        self.levers = None  # a fast copy's `DecoderLevers` (compiled blocks, sub-pixel upsampling), else None
 
     def stream(self, x: torch.Tensor, cache: Cache, chunk_frames: int = 2) -> Iterator[torch.Tensor]:
         """Decode one chunk of latent frames, yielding output frames in order, `chunk_frames` at most
         past each temporal upsample (bounds the full-resolution activations)."""
         x = self.conv1(x, cache)
-        x = _run(self.middle, x, cache)
+        x = _run(self.middle, x, cache, self.levers)
         yield from self._up(x, 0, cache, chunk_frames)
 
     def _up(self, x, start, cache, chunk_frames):
         for i in range(start, len(self.upsamples)):
             layer = self.upsamples[i]
-            x = layer(x, cache)
+            x = layer(x, cache) if self.levers is None else self.levers(layer, x, cache)
             if isinstance(layer, Resample) and layer.mode == "upsample3d" and x.shape[2] > chunk_frames:
                 for s in range(0, x.shape[2], chunk_frames):
                     yield from self._up(x[:, :, s : s + chunk_frames], i + 1, cache, chunk_frames)
                 return
-        yield self.head[2](x, cache, pre=_norm_silu(self.head[0]))
+        if self.levers is not None:
+            yield self.levers.head(self.head, x, cache)
+        else:
+            yield self.head[2](x, cache, pre=_norm_silu(self.head[0]))
+
+
+# The fast decoder's opt-in levers (`ChunkDecoder(compile=..., subpixel=...)`); the exact decoder never runs them.
+
+# phase a (and b): the 3x3 kernel rows (columns) that land on input rows i-1+a and i+a
+_PHASE_TAPS = (((0,), (1, 2)), ((0, 1), (2,)))
+
+
+def subpixel_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A nearest 2x upsample then a 3x3 conv (padding 1) [out, in, 3, 3] is one 2x2 conv (padding 1) with 4x
+    the output channels on the low-resolution input (`subpixel_up`): output pixel (2i+a, 2j+b) reads input
+    rows i-1+a, i+a and columns j-1+b, j+b only, so the 3x3 taps landing on one input pixel add up (16
+    multiply-adds per output pixel instead of 36). -> (weight [4*out, in, 2, 2] in phase order (a, b), bias
+    [4*out]), the sums taken in float64 and returned in fp32."""
+    w = weight.double()
+    phases = [
+        torch.stack(
+            [
+                torch.stack([w[:, :, list(ru)][:, :, :, list(cv)].sum((2, 3)) for cv in _PHASE_TAPS[b]], -1)
+                for ru in _PHASE_TAPS[a]
+            ],
+            -2,
+        )
+        for a in (0, 1)
+        for b in (0, 1)
+    ]
+    return torch.cat(phases).float(), None if bias is None else bias.float().repeat(4)
+
+
+def subpixel_up(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[n, c, h, w] -> [n, out, 2h, 2w]: `conv3x3(nearest_2x(x))` computed as `subpixel_weight`'s 2x2 conv on x
+    and its four phases interleaved (in x's memory format)."""
+    n, _, h, w = x.shape
+    o = F.conv2d(x, weight, bias, padding=1)  # [n, 4*out, h+1, w+1]
+    cl = not o.is_contiguous() and o.is_contiguous(memory_format=torch.channels_last)
+    o = o.unflatten(1, (2, 2, -1))
+    pieces = [[o[:, a, b, :, a : a + h, b : b + w] for b in (0, 1)] for a in (0, 1)]
+    if torch.compiler.is_compiling():  # one gather kernel
+        return torch.stack([torch.stack(row, -1) for row in pieces], 3).flatten(4, 5).flatten(2, 3)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    out = o.new_empty(n, o.shape[3], 2 * h, 2 * w).contiguous(memory_format=fmt)
+    for a in (0, 1):
+        for b in (0, 1):
+            out[:, :, a::2, b::2] = pieces[a][b]
+    return out
+
+
+def _fused_norm_silu(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+    """RMS_norm (gain = gamma * sqrt(dim), fp32) + SiLU in fp32: one pass when compiled."""
+    return F.silu(F.normalize(x.float(), dim=1) * gain).to(x.dtype)
+
+
+def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists."""
+    x = torch.cat([cache, x], dim=2)
+    return x, x[:, :, -CACHE_T:].clone(memory_format=_format(x))  # dense: the next call takes it as it is
+
+
+def _residual_step(x, c1, c2, g1, w1, b1, g2, w2, b2, ws, bs):
+    """`ResidualBlock.forward` with both caches present, as a pure function -> (out, new c1, new c2)."""
+    h, c1 = _causal_pad(_fused_norm_silu(x, g1), c1)
+    y = F.conv3d(h, w1, b1, padding=(0, 1, 1))
+    h, c2 = _causal_pad(_fused_norm_silu(y, g2), c2)
+    y = F.conv3d(h, w2, b2, padding=(0, 1, 1))
+    return y + (x if ws is None else F.conv3d(x, ws, bs)), c1, c2
+
+
+def _upsample_step(x, cache, tw, tb, w, b, subpixel: bool):
+    """`Resample.forward` (upsample2d, or upsample3d once its time conv's cache exists) on all frames at once
+    -> (out, the time conv's new cache or None)."""
+    fmt = _format(x)
+    if cache is not None:
+        h, cache = _causal_pad(x, cache)
+        n, c, t, hh, ww = x.shape
+        x = (
+            F.conv3d(h, tw, tb)
+            .reshape(n, 2, c, t, hh, ww)
+            .permute(0, 2, 3, 1, 4, 5)
+            .reshape(n, c, 2 * t, hh, ww)
+        )
+    frames = x[0].transpose(0, 1)  # [t, c, h, w]
+    if subpixel:
+        y = subpixel_up(frames, w, b)
+    else:
+        y = F.conv2d(F.interpolate(frames, scale_factor=(2.0, 2.0), mode="nearest-exact"), w, b, padding=1)
+    return y.transpose(0, 1).unsqueeze(0).contiguous(memory_format=fmt), cache
+
+
+def _head_step(x, cache, gain, w, b):
+    h, cache = _causal_pad(_fused_norm_silu(x, gain), cache)
+    return F.conv3d(h, w, b, padding=(0, 1, 1)), cache
+
+
+def _call_step(step, *args):
+    return step(*args)
+
+
+# the compiled runner of the decoder steps, shared by every fast decoder of the process
+_decoder_runner = None
+DECODER_RECOMPILE_LIMIT = 64  # graphs: about 10 per frame size (one per block shape), so a few sizes fit
+
+
+def decoder_runner(device):
+    """The shared compiled runner of the decoder steps, or None (eager) with one log line when the
+    compiler is unavailable on `device`."""
+    global _decoder_runner
+    from .speed import CompiledBlocks, compiler_missing, log
+
+    reason = compiler_missing(torch.device(device))
+    if reason is not None:
+        log.warning("compile requested but unavailable: %s; running the VAE decoder eagerly", reason)
+        return None
+    if _decoder_runner is None or _decoder_runner.failed:
+        _decoder_runner = CompiledBlocks(fn=_call_step, what="the VAE decoder")
+    return _decoder_runner
+
+
+class DecoderLevers:
+    """Speed levers of a fast decoder copy (`WanVAE.decoder_in`), called by `Decoder3d` in place of each
+    layer of `middle` and `upsamples` and of the head.
+
+    subpixel: each upsample's nearest 2x + 3x3 conv as the equal 2x2 sub-pixel conv (`subpixel_up`), its
+    weights folded from the VAE's own (`source`) in float64 before the cast: 16 multiply-adds per output
+    pixel instead of 36, and the 4x upsampled input is never made. Equal up to rounding.
+    compile: the residual blocks, the upsamples and the head run as torch.compile'd pure functions of their
+    input, causal caches and weights that return the new caches (`_residual_step`, `_upsample_step`,
+    `_head_step`): each RMS norm + SiLU (in fp32) and the cache concatenation become one pass before the
+    conv instead of about seven. A stream's first latent frame (no caches yet, 1 frame per stage) runs
+    eagerly; from the second on every call has the same shapes and strides (one graph per block shape and
+    frame size, about 10, compiled during the first chunk, none after). The upsamples then run all of a
+    sub-chunk's frames at once instead of frame by frame (without subpixel, the 2x input of 2 frames instead
+    of 1 at a time).
+    """
+
+    def __init__(self, decoder: Decoder3d, source: Decoder3d | None, runner):
+        self.runner = runner
+        dtype = decoder.conv1.weight.dtype
+        cl = not decoder.conv1.weight.is_contiguous()  # channels-last weights: channels-last activations
+        self.fmt = torch.channels_last_3d if cl else torch.contiguous_format
+        self.gains = {m: m.gamma.float() * m.scale for m in decoder.modules() if isinstance(m, RMS_norm)}
+        self.spatial = {}  # upsampling Resample -> its sub-pixel conv (weight, bias)
+        if source is not None:
+            for m, src in zip(decoder.modules(), source.modules(), strict=True):
+                if isinstance(m, Resample) and m.mode.startswith("upsample"):
+                    device = m.resample[1].weight.device
+                    w, b = subpixel_weight(src.resample[1].weight, src.resample[1].bias)
+                    w = w.to(device, dtype).contiguous(
+                        memory_format=torch.channels_last if cl else torch.contiguous_format
+                    )
+                    self.spatial[m] = (w, None if b is None else b.to(device, dtype))
+
+    def _run(self, step, *args):
+        # graphs are keyed by exact strides, size-1 dims' included: every 5-D tensor goes in with the strides
+        # `fmt` gives its sizes (a sub-chunk or a cache is a strided view; the attention's output is not
+        # channels-last), so each block shape has one graph
+        args = [self._canonical(a) if isinstance(a, torch.Tensor) and a.dim() == 5 else a for a in args]
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        with config.patch(name, DECODER_RECOMPILE_LIMIT):
+            return self.runner(step, *args)
+
+    def _canonical(self, a: torch.Tensor) -> torch.Tensor:
+        n, c, t, h, w = a.shape
+        cl = self.fmt == torch.channels_last_3d
+        want = (c * t * h * w, 1, h * w * c, w * c, c) if cl else (c * t * h * w, t * h * w, h * w, w, 1)
+        return a if a.stride() == want else a.clone(memory_format=self.fmt)
+
+    def __call__(self, layer: nn.Module, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        if isinstance(layer, ResidualBlock):
+            r, sc = layer.residual, layer.shortcut
+            if self.runner is None or r[2] not in cache:
+                return layer(x, cache)
+            g1, g2 = self.gains[r[0]], self.gains[r[3]]
+            ws, bs = getattr(sc, "weight", None), getattr(sc, "bias", None)
+            args = (
+                x,
+                cache[r[2]],
+                cache[r[6]],
+                g1,
+                r[2].weight,
+                r[2].bias,
+                g2,
+                r[6].weight,
+                r[6].bias,
+                ws,
+                bs,
+            )
+            y, cache[r[2]], cache[r[6]] = self._run(_residual_step, *args)
+            return y
+        if isinstance(layer, Resample):
+            sub, tc = self.spatial.get(layer), getattr(layer, "time_conv", None)
+            if self.runner is not None and (tc is None or tc in cache):
+                w, b = sub or (layer.resample[1].weight, layer.resample[1].bias)
+                if tc is None:
+                    return self._run(_upsample_step, x, None, None, None, w, b, sub is not None)[0]
+                y, cache[tc] = self._run(
+                    _upsample_step, x, cache[tc], tc.weight, tc.bias, w, b, sub is not None
+                )
+                return y
+            return layer(x, cache, None if sub is None else lambda f: subpixel_up(f, *sub))
+        return layer(x, cache)
+
+    def head(self, head: nn.Sequential, x: torch.Tensor, cache: Cache) -> torch.Tensor:
+        conv = head[2]
+        if self.runner is None or conv not in cache:
+            return conv(x, cache, pre=_norm_silu(head[0]))
+        y, cache[conv] = self._run(_head_step, x, cache[conv], self.gains[head[0]], conv.weight, conv.bias)
+        return y
 
 
 def latent_stats(device, mean=LATENT_MEAN, std=LATENT_STD) -> tuple[torch.Tensor, torch.Tensor]:
@@ -411,10 +627,12 @@ class WanVAE(nn.Module):
     def device(self) -> torch.device:
         return self.conv1.weight.device
 
-    def decoder_in(self, dtype: torch.dtype, channels_last: bool = True) -> Decoder3d:
+    def decoder_in(
+        self, dtype: torch.dtype, channels_last: bool = True, compile: bool = False, subpixel: bool = False
+    ) -> Decoder3d:
         """A copy of the decoder in `dtype` on the VAE's device (its conv weights channels-last if asked), for
         the fast, lossy decode; the VAE keeps its own. Built on the meta device and given the cast weights,
-        so no second full-precision copy is made."""
+        so no second full-precision copy is made. `compile`, `subpixel`: its `DecoderLevers`."""
         with torch.device("meta"):
             decoder = Decoder3d(*self._decoder_args)
         state = {}
@@ -426,6 +644,9 @@ class WanVAE(nn.Module):
                 )
             state[k] = v
         decoder.load_state_dict(state, strict=True, assign=True)
+        if compile or subpixel:
+            runner = decoder_runner(self.device) if compile else None
+            decoder.levers = DecoderLevers(decoder, self.decoder if subpixel else None, runner)
         return decoder.eval().requires_grad_(False)
 
     def latent_stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,6 +778,8 @@ class ChunkDecoder:
     dtype: None decodes with the VAE's own decoder (exact); another dtype (bf16, fp16) with a copy of
     the decoder in it, channels-last unless `channels_last` is False (faster on tensor cores, lossy).
     The latent's de-normalisation and `conv2` run in the VAE's dtype either way; frames come out fp32.
+    compile, subpixel: the fast decoder's `DecoderLevers` (torch.compile'd blocks; sub-pixel upsampling),
+    off by default; they need a `dtype` (the exact decoder has none).
     """
 
     def __init__(
@@ -568,7 +791,13 @@ class ChunkDecoder:
         out_device=None,
         dtype: torch.dtype | None = None,
         channels_last: bool = True,
+        compile: bool = False,
+        subpixel: bool = False,
     ):
+        if (compile or subpixel) and dtype is None:
+            raise ValueError(
+                "ChunkDecoder: compile and subpixel are levers of the fast decoder; they need a dtype"
+            )
         if not isinstance(chunk_frames, int) or chunk_frames < 1:
             raise ValueError(f"chunk_frames must be an int >= 1, got {chunk_frames!r}")
         if tile is not None and tile != "auto":
@@ -579,9 +808,9 @@ class ChunkDecoder:
             )
         self.vae, self.tile, self.overlap, self.chunk_frames = vae, tile, overlap, chunk_frames
         self.out_device = torch.device(out_device) if out_device is not None else vae.device
-        exact = dtype is None or (dtype == vae.dtype and not channels_last)
+        exact = dtype is None or (dtype == vae.dtype and not (channels_last or compile or subpixel))
         self.dtype = vae.dtype if exact else dtype
-        self.decoder = vae.decoder if exact else vae.decoder_in(dtype, channels_last)
+        self.decoder = vae.decoder if exact else vae.decoder_in(dtype, channels_last, compile, subpixel)
         self.channels_last = not exact and channels_last
         self.latent_frames = 0  # latent frames decoded so far
         self.frames = 0  # video frames returned so far
@@ -724,6 +953,13 @@ class ChunkDecoder:
             self.latent_frames += 1
             self.frames += frames
             yield self._finish(out)
+
+
+def decoder_levers(dtype: torch.dtype | None, compile: bool) -> dict:
+    """The `ChunkDecoder` levers a front end's compile switch turns on: for the fast decoder (a `dtype`)
+    compiled blocks with sub-pixel upsampling (compiled, its arithmetic differs from the eager fast decoder's
+    anyway); none for the exact decoder (None), which stays exact."""
+    return {"compile": True, "subpixel": True} if compile and dtype is not None else {}
 
 
 def decode_dtype(name: str, device) -> torch.dtype | None:

@@ -57,7 +57,7 @@ from lingbot import load_pack  # noqa: E402
 
 load_pack()
 from lingbot_world.loaders.vae import load_vae  # noqa: E402
-from lingbot_world.wan import i2v  # noqa: E402
+from lingbot_world.wan import i2v, speed  # noqa: E402
 from lingbot_world.wan import vae as V  # noqa: E402
 from lingbot_world.wan.speed import compiler_missing  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
@@ -243,7 +243,9 @@ def bench_chunks(vae, scale, device, record, args) -> dict:
                     dec.decode(z[:, k * n : (k + 1) * n])
             sync(device)
             warmup_s, graphs_warmup = time.perf_counter() - t0, counters["stats"]["unique_graphs"] - graphs
-            if levers.get("compile") and (V._decoder_runner is None or V._decoder_runner.failed):
+            if levers.get("compile") and (
+                speed._shared_runners.get(V._call_step) is None or speed._shared_runners[V._call_step].failed
+            ):
                 raise RuntimeError("torch.compile failed; the decoder ran eagerly (see the log line above)")
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -407,13 +407,15 @@ class PlaySession:
         )
 
     def _warm_up(self, context, y) -> None:
-        self._quiet = True
+        # one chunk at a time: the decode worker must not run a compiled decoder while the DiT traces
+        # (or trace while the DiT runs compiled), which fails; after the warm-up nothing traces again
+        overlap, self.overlap, self._quiet = self.overlap, False, True
         try:
             for _ in range(self.warm_chunks):
                 self.step()
             self.flush()
         finally:
-            self._quiet = False
+            self.overlap, self._quiet = overlap, False
         self._warmed = True
         self._end_rollout()
         self._reset_counters()  # then the rollout, its seed and the figures start as in a session without it

@@ -355,3 +355,39 @@ def test_play_plans_each_ranks_share_under_sequence_parallel(fast_ckpt, image):
     two = make_session(fast_ckpt, [], Clock(), ranks=2).memory(image)
     assert two.caches < one.caches and two.model == one.model  # every rank holds the whole model
     assert make_session(fast_ckpt, [], Clock(), ranks=2, compile=True).config.compile
+
+
+def test_compiled_play_traces_nothing_after_the_warm_up(fast_ckpt, image, monkeypatch):
+    """Past the warm-up no block traces again, over the window's roll and a restart's (the decode worker runs
+    compiled code beside the DiT: a trace in one thread while the other runs a compiled function fails)."""
+    from lingbot_world.wan import speed
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
+    monkeypatch.setitem(
+        speed._shared_runners,
+        speed.run_chunk_block,
+        speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block),
+    )
+    clock, frames = Clock(), []
+    session = make_session(fast_ckpt, frames, clock, compile=True, local_attn_size=7, sink_size=1)
+    try:
+        session.start(image, "a castle")
+        warm = len(graphs)
+        assert warm and not frames
+        for _ in range(2):
+            for _ in range(4):  # past the roll (chunk 2 of 3 latent frames with a 7-frame window)
+                clock.t += 1.0
+                session.step()
+            session.restart()
+        session.flush()
+    finally:
+        session.close()
+        torch._dynamo.reset()
+    assert len(graphs) == warm and session.rollouts == 2 and frames

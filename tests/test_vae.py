@@ -515,6 +515,7 @@ def test_levers_need_the_fast_decoder(tiny):
 def test_compiled_decoder_equals_eager(tiny):
     """torch.compile'd decoder blocks (CPU inductor, fp32, with sub-pixel upsampling) equal the exact decode
     up to fp32 rounding; streaming equals decoding; a second stream of the same size compiles nothing new."""
+    from lingbot_world.wan import speed
     from lingbot_world.wan.speed import compiler_missing
 
     reason = compiler_missing(torch.device("cpu"))
@@ -528,7 +529,8 @@ def test_compiled_decoder_equals_eager(tiny):
     before = counters["stats"]["unique_graphs"]
     with tiny.chunk_decoder(**levers) as dec:
         out = torch.cat([dec.decode(z[:, :2]), dec.decode(z[:, 2:])], dim=1)
-    assert V._decoder_runner is not None and not V._decoder_runner.failed
+    runner = speed._shared_runners.get(V._call_step)
+    assert runner is not None and not runner.failed
     graphs = counters["stats"]["unique_graphs"]
     # one graph per block shape: residual blocks at 4 sizes (one with a shortcut conv), 3 upsamples (the
     # last at 1 and 2 frames), the head; views and layouts do not add any

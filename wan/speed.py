@@ -182,16 +182,16 @@ class CompiledBlocks:
 _shared_runners: dict = {}  # the compiled function (`run_block`, `run_chunk_block`) -> its shared runner
 
 
-def shared_runner(fn, device) -> CompiledBlocks | None:
+def shared_runner(fn, device, what="the DiT blocks") -> CompiledBlocks | None:
     """The shared compiled runner of `fn` (a fresh one after a compiler failure), or None (eager) with one log
     line when the compiler is unavailable for `device`."""
     reason = compiler_missing(torch.device(device))
     if reason is not None:
-        log.warning("compile requested but unavailable: %s; running the DiT blocks eagerly", reason)
+        log.warning("compile requested but unavailable: %s; running %s eagerly", reason, what)
         return None
     runner = _shared_runners.get(fn)
     if runner is None or runner.failed:
-        runner = _shared_runners[fn] = CompiledBlocks(fn=fn)
+        runner = _shared_runners[fn] = CompiledBlocks(fn=fn, what=what)
     return runner
 
 

@@ -447,24 +447,15 @@ def _call_step(step, *args):
     return step(*args)
 
 
-# the compiled runner of the decoder steps, shared by every fast decoder of the process
-_decoder_runner = None
 DECODER_RECOMPILE_LIMIT = 64  # graphs: about 10 per frame size (one per block shape), so a few sizes fit
 
 
 def decoder_runner(device):
-    """The shared compiled runner of the decoder steps, or None (eager) with one log line when the
-    compiler is unavailable on `device`."""
-    global _decoder_runner
-    from .speed import CompiledBlocks, compiler_missing, log
+    """The compiled runner of the decoder steps shared by every fast decoder of the process, or None (eager)
+    with one log line when the compiler is unavailable on `device`."""
+    from .speed import shared_runner
 
-    reason = compiler_missing(torch.device(device))
-    if reason is not None:
-        log.warning("compile requested but unavailable: %s; running the VAE decoder eagerly", reason)
-        return None
-    if _decoder_runner is None or _decoder_runner.failed:
-        _decoder_runner = CompiledBlocks(fn=_call_step, what="the VAE decoder")
-    return _decoder_runner
+    return shared_runner(_call_step, device, what="the VAE decoder")
 
 
 class DecoderLevers:

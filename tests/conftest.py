@@ -50,6 +50,28 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(fast_run.ExpertSwitcher, "__call__", loaded)
 
 
+@pytest.fixture
+def traced_chunk_blocks(monkeypatch):
+    """The chunk loop's compiled runner with a backend that records each graph and runs it as traced (no
+    inductor build); yields the graphs."""
+    import torch
+    from lingbot_world.wan import speed
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
+    runner = speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
+    monkeypatch.setitem(speed._shared_runners, speed.run_chunk_block, runner)
+    yield graphs
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def fast_ckpt(nf4_ckpt, tmp_path_factory):
     """A base-cam folder (the tiny demo checkpoint's files) holding lingbot_world_fast/: one tiny cam DiT

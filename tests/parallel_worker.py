@@ -200,9 +200,8 @@ def cached_rank(rank, world, port, out_dir, nf4_dir):
         dist.destroy_process_group()
 
 
-def group_rank(rank, world, port, out_dir, fail_rank=None):
-    """Inside `session.distributed.process_group` as torchrun would start it: one all-reduce, then rank
-    `fail_rank` raises on its way out while the others finish. Each rank records how it left."""
+def torchrun_env(rank, world, port) -> None:
+    """The environment torchrun gives a rank."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -210,6 +209,12 @@ def group_rank(rank, world, port, out_dir, fail_rank=None):
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
     )
+
+
+def group_rank(rank, world, port, out_dir, fail_rank=None):
+    """Inside `session.distributed.process_group` as torchrun would start it: one all-reduce, then rank
+    `fail_rank` raises on its way out while the others finish. Each rank records how it left."""
+    torchrun_env(rank, world, port)
     t0 = time.monotonic()
     try:
         with distributed.process_group(world, "cpu"):
@@ -391,13 +396,7 @@ def play_rank(rank, world, port, out_dir, ckpt, image_path, die_after=None):
     from lingbot_world import cli
     from lingbot_world.session import play
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    torchrun_env(rank, world, port)
     cli.import_runtime()
     play.KEEPALIVE_S = 0.0  # idle() sends one at once
     clock, frames = Clock(), []

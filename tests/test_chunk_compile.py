@@ -29,24 +29,6 @@ def model():
     return init_random_(WanModel.from_config(S.tiny_config("cam", num_layers=3)), seed=1).eval()
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """The chunk loop's compiled runner with a backend that records each graph and runs it as traced."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    runner = speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
-    monkeypatch.setitem(speed._shared_runners, speed.run_chunk_block, runner)
-    yield graphs
-    torch._dynamo.reset()
-
-
 def test_cache_is_placed_once_per_chunk_and_the_schedule_once_per_session(monkeypatch):
     y, ctx, cam = inputs()
     s = FastSession(model(), ctx, y, LAT, FastConfig(**WINDOW), "cpu")
@@ -65,7 +47,7 @@ def test_cache_is_placed_once_per_chunk_and_the_schedule_once_per_session(monkey
     )  # the newest 3 of 7 frames
 
 
-def test_compiled_chunk_loop_traces_once_without_graph_breaks_and_equals_eager(counted):
+def test_compiled_chunk_loop_traces_once_without_graph_breaks_and_equals_eager(traced_chunk_blocks):
     m = model()
     y, ctx, cam = inputs()
     want = generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW), "cpu")
@@ -73,7 +55,7 @@ def test_compiled_chunk_loop_traces_once_without_graph_breaks_and_equals_eager(c
     got, graphs_after = [], []
     for k in range(5):
         got.append(s.next_chunk(cam[:, :, 3 * k : 3 * k + 3]))
-        graphs_after.append(len(counted))
+        graphs_after.append(len(traced_chunk_blocks))
     # eager until the window is full (chunk 2 evicts first); then two graphs (bf16 stream into block 0,
     # fp32 after) serve every block, forward and chunk
     assert graphs_after == [0, 0, 2, 2, 2]
@@ -84,15 +66,15 @@ def test_compiled_chunk_loop_traces_once_without_graph_breaks_and_equals_eager(c
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     # a second session reuses the graphs
     generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW, compile=True), "cpu")
-    assert len(counted) == 2
+    assert len(traced_chunk_blocks) == 2
 
 
-def test_compile_off_takes_no_runner_and_a_window_that_never_fills_runs_eagerly(counted):
+def test_compile_off_takes_no_runner_and_a_window_that_never_fills_runs_eagerly(traced_chunk_blocks):
     m = model()
     y, ctx, cam = inputs()
     assert FastSession(m, ctx, y, LAT, FastConfig(**WINDOW), "cpu")._runner is None
     generate_fast(m, ctx, y, cam, LAT, FastConfig(compile=True), "cpu")  # unbounded: never evicts
-    assert counted == []
+    assert traced_chunk_blocks == []
 
 
 def test_compile_is_refused_with_lean_activations_and_checked():

@@ -267,31 +267,15 @@ def test_play_plans_the_decode_device_apart(fast_ckpt, image, monkeypatch):
     assert not explicit.overlap and asked == [False]
 
 
-def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(fast_ckpt, image, monkeypatch):
+def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(
+    fast_ckpt, image, traced_chunk_blocks
+):
     """With compile, start() first plays the chunks up to the window's first roll (where the blocks compile)
     without handing anything out, then starts over: the frames, their indices, rollouts, poses, key stamps
     and figures are those of a session without the warm-up (its first chunks run uncompiled)."""
-    from lingbot_world.wan import speed
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    monkeypatch.setitem(
-        speed._shared_runners,
-        speed.run_chunk_block,
-        speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block),
-    )
-    try:
-        plain, plain_counts, _ = play_script(fast_ckpt, image)
-        frames, counts, session = play_script(fast_ckpt, image, compile=True)
-    finally:
-        torch._dynamo.reset()
-    assert graphs  # the warm-up reached the roll and compiled the blocks
+    plain, plain_counts, _ = play_script(fast_ckpt, image)
+    frames, counts, session = play_script(fast_ckpt, image, compile=True)
+    assert traced_chunk_blocks  # the warm-up reached the roll and compiled the blocks
     assert session.warm_chunks == 0 and counts == plain_counts == [9, 12, 9]
     assert session.chunks == 3 and session.rollouts == 2 and len(session.chunk_seconds) == 3
     assert len(frames) == len(plain) == 30
@@ -357,29 +341,14 @@ def test_play_plans_each_ranks_share_under_sequence_parallel(fast_ckpt, image):
     assert make_session(fast_ckpt, [], Clock(), ranks=2, compile=True).config.compile
 
 
-def test_compiled_play_traces_nothing_after_the_warm_up(fast_ckpt, image, monkeypatch):
+def test_compiled_play_traces_nothing_after_the_warm_up(fast_ckpt, image, traced_chunk_blocks):
     """Past the warm-up no block traces again, over the window's roll and a restart's (the decode worker runs
     compiled code beside the DiT: a trace in one thread while the other runs a compiled function fails)."""
-    from lingbot_world.wan import speed
-
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
-    monkeypatch.setitem(
-        speed._shared_runners,
-        speed.run_chunk_block,
-        speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block),
-    )
     clock, frames = Clock(), []
     session = make_session(fast_ckpt, frames, clock, compile=True, local_attn_size=7, sink_size=1)
     try:
         session.start(image, "a castle")
-        warm = len(graphs)
+        warm = len(traced_chunk_blocks)
         assert warm and not frames
         for _ in range(2):
             for _ in range(4):  # past the roll (chunk 2 of 3 latent frames with a 7-frame window)
@@ -389,5 +358,4 @@ def test_compiled_play_traces_nothing_after_the_warm_up(fast_ckpt, image, monkey
         session.flush()
     finally:
         session.close()
-        torch._dynamo.reset()
-    assert len(graphs) == warm and session.rollouts == 2 and frames
+    assert len(traced_chunk_blocks) == warm and session.rollouts == 2 and frames

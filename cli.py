@@ -1468,7 +1468,7 @@ def add_play_args(p: argparse.ArgumentParser):
     p.add_argument(
         "--decode_device",
         help="run the VAE (the decode) on this device, e.g. cuda:1, while --device's GPU makes the next chunk "
-        "(default: --device, one after the other)",
+        "(default: --device, where the decode overlaps the next chunk if the memory check finds room for both)",
     )
     add_parallel_args(p, "play", CHUNKED_HEADS)
 

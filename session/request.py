@@ -253,7 +253,7 @@ def plan_request(
     if isinstance(swap_blocks, str):
         swap_blocks = swap_blocks.strip().lower()
         swap_blocks = swap_blocks if swap_blocks == "auto" else int(swap_blocks)
-    check_ulysses(ulysses_size, config, speed, ulysses_world)
+    check_ulysses(ulysses_size, config, ulysses_world)
     settings = replace(settings, frame_num=frames)
     memory_plan = None
     if memory is not None:
@@ -285,11 +285,11 @@ def plan_request(
     )
 
 
-def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, world: int | None = None) -> None:
-    """Sequence parallel: a head count it divides, the world it runs in (`world`, default: the initialized
-    process group's size), and not `compile` (block swap, LoRAs, the step cache and lean activations all
-    run under it: each rank swaps its own copy of the expert, the side paths and the cache's decision are
-    per token or on the replicated latent)."""
+def check_ulysses(size, config: DiTConfig, world: int | None = None) -> None:
+    """Sequence parallel: a head count it divides and the world it runs in (`world`, default: the initialized
+    process group's size). Block swap, LoRAs, the step cache, lean activations and compile all run under it:
+    each rank swaps its own copy of the expert, the side paths and the cache's decision are per token or on
+    the replicated latent, and the compiled blocks trace the all-to-all as a functional collective."""
     _number("ulysses_size", size, 1, 1024, integer=True)
     if size == 1:
         return
@@ -303,12 +303,6 @@ def check_ulysses(size, config: DiTConfig, speed: SpeedOptions, world: int | Non
             "ulysses_size",
             f"{size} ranks asked for, but this process group has {world} (launch with "
             f"`torchrun --nproc_per_node {size} ...`)",
-        )
-    if speed.compile:
-        raise RequestError(
-            "ulysses_size",
-            "sequence parallel does not support compile: the compiled blocks would have to trace the "
-            "all-to-all collectives inside self-attention, which is untested; turn compile off",
         )
 
 

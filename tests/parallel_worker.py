@@ -59,7 +59,9 @@ def peers_done():
         dist.barrier()
 
 
-def dit_rank(rank, world, port, out_dir, lean=False):
+def dit_rank(rank, world, port, out_dir, lean=False, compile=False):
+    from lingbot_world.wan import speed
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -67,7 +69,13 @@ def dit_rank(rank, world, port, out_dir, lean=False):
         model.sequence_parallel = SequenceParallel()
         if lean:  # lean blocks on each rank's 23 local tokens, in chunks of 4 (the last one short)
             model.lean_activations, model.lean_chunk = True, 4
-        torch.save(forward(model), Path(out_dir) / f"rank{rank}.pt")
+        graphs = []
+        if compile:
+            model.block_runner, graphs = traced_runner(speed.run_block)
+        out = forward(model)
+        if compile:
+            out = {"out": out, "graphs": graphs, "graph_breaks": graph_breaks()}
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         peers_done()
     finally:
         dist.destroy_process_group()
@@ -268,8 +276,9 @@ def fast_generate(kind: str, compile: bool = False):
     return session.latent(), cache
 
 
-def traced_chunk_blocks():
-    """The chunk loop's compiled runner with a backend that runs each traced graph as is; returns the graphs' code."""
+def traced_runner(fn):
+    """A compiled block runner of `fn` with a backend that runs each traced graph as is: (runner, the graphs'
+    code)."""
     from lingbot_world.wan import speed
 
     graphs = []
@@ -280,11 +289,20 @@ def traced_chunk_blocks():
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    return speed.CompiledBlocks(backend=backend, fn=fn), graphs
+
+
+def traced_chunk_blocks():
+    """The chunk loop's shared compiled runner as `traced_runner`'s; returns the graphs' code."""
+    from lingbot_world.wan import speed
+
     speed.compiler_missing = lambda device: None
-    speed._shared_runners[speed.run_chunk_block] = speed.CompiledBlocks(
-        backend=backend, fn=speed.run_chunk_block
-    )
+    speed._shared_runners[speed.run_chunk_block], graphs = traced_runner(speed.run_chunk_block)
     return graphs
+
+
+def graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
 def fast_rank(rank, world, port, out_dir, kind, compile=False):
@@ -293,8 +311,7 @@ def fast_rank(rank, world, port, out_dir, kind, compile=False):
     try:
         graphs = traced_chunk_blocks() if compile else []
         latent, cache = fast_generate(kind, compile)
-        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-        out = {"latent": latent, "cache": cache, "graphs": graphs, "graph_breaks": breaks}
+        out = {"latent": latent, "cache": cache, "graphs": graphs, "graph_breaks": graph_breaks()}
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         peers_done()
     finally:

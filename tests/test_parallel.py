@@ -18,6 +18,18 @@ def test_dit_forward_split_across_ranks_equals_one_process(world, tmp_path):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_blocks_under_sequence_parallel_trace_the_all_to_all_and_equal_one_process(tmp_path):
+    """`generate --compile --ulysses_size 2`: each block runs as one traced graph with its four all-to-alls
+    inside (functional collectives, no graph break) and the forward equals the one-process one."""
+    expected = worker.forward(worker.tiny_model())
+    mp.spawn(worker.dit_rank, args=(2, free_port(), str(tmp_path), False, True), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["graphs"] and got["graph_breaks"] == 0
+        assert all(code.count("all_to_all_single") == 4 for code in got["graphs"])
+        torch.testing.assert_close(got["out"], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_failure_on_rank_1_stops_both_ranks(tmp_path):
     ctx = mp.spawn(worker.failing_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)
     # Whichever rank spawn hears from first: rank 1 with its error, or rank 0 whose collective lost its peer.
@@ -230,9 +242,10 @@ def test_settings_under_sequence_parallel_are_accepted_or_refused_by_name():
 
     assert plan(swap_blocks=1).swap_blocks == 1 and plan(swap_blocks="auto").swap_blocks == "auto"
     assert plan(speed=SpeedOptions(cache="easycache")).speed.cache == "easycache"
-    with pytest.raises(RequestError, match="sequence parallel does not support compile") as err:
-        plan(speed=SpeedOptions(compile=True), swap_blocks=1)
-    assert err.value.param == "ulysses_size" and "all-to-all" in str(err.value)
+    assert plan(speed=SpeedOptions(compile=True), swap_blocks=1).speed.compile
+    with pytest.raises(RequestError, match="does not divide the experts' 4 attention heads") as err:
+        plan_request((480, 832), cfg, SampleConfig(), max_area=480 * 832, ulysses_size=3, ulysses_world=3)
+    assert err.value.param == "ulysses_size"
 
 
 def test_step_cache_takes_the_shared_decision():

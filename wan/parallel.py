@@ -26,9 +26,8 @@ What else runs under it, and why it needs nothing of the collectives:
 - the step cache (`wan.step_cache`): it decides from the replicated latent and the gathered prediction,
   the same bytes on every rank; the decision is still taken from rank 0 (`agree`), so the ranks skip the
   same forwards and their collectives stay paired even where a reduction rounds differently on unlike GPUs.
-- compile: the chunk loop's compiled blocks (`wan.fast`, `fast`/`play --compile`) trace the all-to-all as
-  torch's functional collective, one graph per block with the communication inside; the base-cam step still
-  refuses compile under sequence parallel (`session.request.check_ulysses`).
+- compile (`--compile`): the compiled blocks trace the all-to-all as torch's functional collective, one graph
+  per block with the communication inside (the base-cam step and the chunk loop alike).
 - chunked generation (`wan.fast`): each chunk's forward splits its tokens like any other; the chunk-causal
   keys are written inside `attention`'s core, where the rank holds the whole chunk for its H/N heads, so each
   rank's K/V cache keeps its heads only (1/N of it) and its placement (token counts) is the same on every rank.

@@ -1481,14 +1481,15 @@ def run_play(args) -> int:
     decode_device = (
         None if args.decode_device is None else resolve_device(args.decode_device, "--decode_device")
     )
-    load_quantize(args, resolve_device(args.device))  # --fp8 on a card without fp8 tensor cores: exit 2 here
+    requested = resolve_device(args.device)
+    load_quantize(args, requested)  # --fp8 on a card without fp8 tensor cores: exit 2 here
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     check_heads(
         int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
         files.config.num_heads,
     )
     ranks = distributed.requested_size(args.ulysses_size, args.parallel, "play")
-    with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
+    with distributed.process_group(ranks, str(requested)) as device:
         return _run_play(args, files, torch.device(device), ranks, decode_device)
 
 

@@ -188,8 +188,8 @@ def bench(args, device: torch.device, ranks: int) -> int:
     if ranks > 1 and lead:
         dist.barrier()
     files = resolve_fast_dir(ckpt, args.model, assets)
-    if heads_issue(ranks, files.config.num_heads):
-        raise SystemExit(f"--{heads_issue(ranks, files.config.num_heads)}")
+    if issue := heads_issue(ranks, files.config.num_heads):
+        raise SystemExit(f"--{issue}")
     session = play.PlaySession(
         files,
         device,

@@ -338,10 +338,13 @@ class PlaySession:
                     **self._vae_where(),
                 )
 
-            if self._overlap_auto and not self.apart:  # overlap on one GPU where both fit side by side
+            auto = self._overlap_auto and not self.apart  # overlap on one GPU where both fit side by side
+            if auto:
                 self.overlap = True
-                self.overlap = fit_issue() is None
             issue = fit_issue()
+            if issue is not None and auto:
+                self.overlap = False  # else one after the other
+                issue = fit_issue()
             if issue is not None:
                 raise ValueError(
                     f"memory on {self.device} (the DiT): {issue}" if self.apart else f"memory: {issue}"

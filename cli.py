@@ -280,12 +280,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
     )
     add_parallel_args(p, "generate", "the 40 heads")
     speed = p.add_argument_group("speed (every option off: upstream's exact computation)")
-    speed.add_argument(
-        "--attention",
-        default="sdpa",
-        choices=["sdpa", "sage"],
-        help="attention kernel: PyTorch SDPA, or SageAttention (needs the sageattention package)",
-    )
+    add_attention_arg(speed)
     speed.add_argument(
         "--compile", action="store_true", help="torch.compile the DiT blocks (one graph for all)"
     )
@@ -565,6 +560,26 @@ def speed_options(args) -> SpeedOptions:
         raise ValueError(f"--{err}") from None
 
 
+ATTENTION_HELP = (
+    "attention kernel: sdpa (PyTorch's, exact), sage (SageAttention; needs the sageattention package) or fp8 "
+    "(cuDNN's fp8 attention: q, k, v, the softmax probabilities and the output in e4m3; a CUDA GPU with fp8 "
+    "tensor cores, Hopper or newer, and the nvidia-cudnn-frontend package). Faster, not exact"
+)
+
+
+def add_attention_arg(p) -> None:
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "sage", "fp8"], help=ATTENTION_HELP)
+
+
+def check_attention(args, device) -> None:
+    """--attention that cannot run on `device` (fp8 off a Hopper-class GPU): one clear error before loading."""
+    from .wan import attention
+
+    problem = attention.problem(args.attention, device)
+    if problem is not None:
+        raise ValueError(f"--attention: {problem}")
+
+
 def load_quantize(args, device=None) -> bool | str | None:
     """What the loader's `quantize` gets from --quantize / --fp8 (checked against `device` when given)."""
     if not getattr(args, "fp8", False):
@@ -793,6 +808,8 @@ def prepare_generate(args, check_memory: bool = True, planning: bool = False):
     `plan`, which starts no ranks: --ulysses_size N is planned for N ranks without a process group."""
     device = plan_device(args) if planning else resolve_device(args.device)
     load_quantize(args, None if planning else device)
+    if not planning:
+        check_attention(args, device)
     files, config, text_dim = None, A14B, None
     if not getattr(args, "model", None):  # `plan --model base-cam`: the architecture, no files
         lora_merge = getattr(args, "lora_merge", False)
@@ -1172,6 +1189,7 @@ def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
     )
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
+    add_attention_arg(p)
     p.add_argument(
         "--fp8",
         action="store_true",
@@ -1303,6 +1321,7 @@ def run_fast(args) -> int:
 def _run_fast(args, files, device, ranks, output) -> int:
     lead = distributed.rank() == 0  # encodes the text and the first frame, decodes, reports and writes
     quantize = load_quantize(args, device)
+    check_attention(args, device)
     if args.keys == "-" and ranks > 1:
         raise ValueError("--keys -: stdin reaches rank 0 alone; under sequence parallel give a keys file")
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
@@ -1319,6 +1338,7 @@ def _run_fast(args, files, device, ranks, output) -> int:
         args.swap_blocks,
         args.frame_num,
         compile=args.compile,
+        attention=args.attention,
     )
     image = load_image(args.image)
     size = plan_size(image.shape[1:], args.size)
@@ -1483,6 +1503,7 @@ def run_play(args) -> int:
     )
     requested = resolve_device(args.device)
     load_quantize(args, requested)  # --fp8 on a card without fp8 tensor cores: exit 2 here
+    check_attention(args, requested)
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     check_heads(
         int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
@@ -1510,6 +1531,7 @@ def _run_play(args, files, device, ranks, decode_device) -> int:
         sink_size=args.sink_size,
         kv_dtype=args.kv_dtype,
         compile=args.compile,
+        attention=args.attention,
         quantize=load_quantize(args, device),
         swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),

@@ -21,8 +21,13 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
   and cross-attention and the v2 chunk shapes (q = 4 latent frames, k/v = the 18-frame window, which holds
   the chunk's own slots, as the loop runs; and 22 frames, window + chunk), time and
   deviation from an fp32 reference; flash-attn, flashinfer and sageattention only when importable (listed
-  as absent otherwise).
+  as absent otherwise); cuDNN's fp8 attention (`--attention fp8`, `wan.fp8_attention`) where it runs, with
+  and without its quantization, and its deviation from the fp32 reference and from `fp8_attention.reference`
+  (the kernel's arithmetic in plain torch).
+- ``*_fp8attn`` paths (base-cam and chunk loops): the compiled path with `attention='fp8'` as well; their floor
+  counts the fp8 attention kernel in place of SDPA's.
 
+    python benchmarks/bench_fp8.py --scale full --paths bf16 fp8_compiled fp8_compiled_fp8attn   # paths to run
     python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
     python benchmarks/bench_fp8.py --scale full --skip v2-14b   # cases to leave out
     python benchmarks/bench_fp8.py --scale full --skip base_cam attention v2-14b   # the v2 1.3B chunk loop alone
@@ -48,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_speed import SHAPES, Step, kernel_floor, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
-from lingbot_world.wan import fp8, speed  # noqa: E402
+from lingbot_world.wan import attention, fp8, fp8_attention, speed  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
@@ -58,6 +63,29 @@ from lingbot_world.wan.speed import SpeedOptions, compiler_missing  # noqa: E402
 CHUNK_SHAPE = {"full": (464, 832), "tiny": (32, 48)}
 TIMED_CHUNKS = 3
 PLAY_WINDOW = (18, 6)  # v1 Fast documents an unbounded cache; it is timed as live play runs it
+# the paths a case runs (`--paths`): precision of the Linears, compiled or not, fp8 attention or SDPA's
+PATHS = ("bf16", "bf16_compiled", "bf16_compiled_fp8attn", "fp8", "fp8_compiled", "fp8_compiled_fp8attn")
+
+
+def path_options(name: str) -> dict:
+    """A path's name -> its settings (fp8 Linears, compiled, attention backend)."""
+    return {
+        "fp8": name.startswith("fp8"),
+        "compile": "_compiled" in name,
+        "attention": "fp8" if name.endswith("_fp8attn") else "sdpa",
+    }
+
+
+def path_skip(name: str, args, device, compile_issue) -> str | None:
+    """Why path `name` does not run here (None: it runs)."""
+    if name not in args.paths:
+        return "not in --paths"
+    options = path_options(name)
+    if options["compile"] and compile_issue:
+        return compile_issue
+    if options["attention"] == "fp8":
+        return attention.problem("fp8", device)
+    return None
 
 
 def tiny(cfg):
@@ -137,10 +165,13 @@ def gemm_rate(device, m: int, k: int, n: int, use_fp8: bool, seconds: float = 2.
     return 2 * m * k * n * reps / min(timed(burst, device, 2)) / 1e12
 
 
-def floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int, use_fp8: bool) -> float:
+def floor_sequence(
+    cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int, use_fp8: bool, fp8_attn: bool = False
+) -> float:
     """Sustained seconds of the kernels alone, back to back: per block the GEMMs at the real shapes with their
     biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
-    (SDPA bf16); `text_tokens` 0: cross k/v cached (the chunk loop)."""
+    (SDPA bf16; `fp8_attn`: cuDNN's fp8 kernel on operands quantized beforehand); `text_tokens` 0: cross k/v
+    cached (the chunk loop)."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -165,14 +196,21 @@ def floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int,
     d = dim // heads
     q, k, v = rand(1, heads, q_tokens, d), rand(1, heads, kv_tokens, d), rand(1, heads, kv_tokens, d)
     kv_text = rand(1, heads, cfg.text_len, d)
+    attend = F.scaled_dot_product_attention
+    if fp8_attn:
+        codes = {id(t): fp8_attention.quantize(t[0].transpose(0, 1)) for t in (q, k, v, kv_text)}
+
+        def attend(q, k, v):
+            (q8, qs), (k8, ks), (v8, vs) = codes[id(q)], codes[id(k)], codes[id(v)]
+            torch.ops.lingbot.fp8_attention(q8, k8, v8, qs, ks, vs)
 
     def sequence():
         for _ in range(cfg.num_layers * forwards):
             for a, w, b, count in gemms:
                 for _ in range(count):
                     gemm(a, w, b)
-            F.scaled_dot_product_attention(q, k, v)
-            F.scaled_dot_product_attention(q, kv_text, kv_text)
+            attend(q, k, v)
+            attend(q, kv_text, kv_text)
 
     sequence()
     return min(timed(sequence, device, 2))
@@ -180,8 +218,11 @@ def floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int,
 
 def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates) -> dict:
     out = {}
-    for name, use_fp8 in (("bf16", False), ("fp8", True)):
-        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8)
+    runs = [("bf16", False, False), ("fp8", True, False)]
+    if attention.problem("fp8", device) is None:
+        runs += [("bf16_fp8attn", False, True), ("fp8_fp8attn", True, True)]
+    for name, use_fp8, fp8_attn in runs:
+        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, fp8_attn)
         out[f"{name}_sustained_s"] = round(seq, 5)
     # the GEMM FLOPs at each precision's sustained rate, plus the attention of the bf16 floor's kernels
     flops = gemm_flops(cfg, q_tokens, text_tokens, forwards)
@@ -212,17 +253,15 @@ def base_cam(args, device, rates) -> dict:
     exact = run_case(step, SpeedOptions(), 5.0, args.repeats)
     reference, flow_ref = exact.pop("latent"), flow()
     out["bf16_eager"] = exact
-    cases = [("bf16_compiled", SpeedOptions(compile=True), False)]
-    cases += [
-        ("fp8_eager", SpeedOptions(fp8=True), True),
-        ("fp8_compiled", SpeedOptions(compile=True, fp8=True), True),
-    ]
-    for name, options, quantized in cases:
-        if quantized and not fp8.is_fp8(model.blocks[0].self_attn.q):
-            out["fp8_layers"] = to_fp8_(model)
-        if options.compile and compile_issue:
-            out[name] = {"skipped": compile_issue}
+    for path in PATHS[1:]:
+        name = "fp8_eager" if path == "fp8" else path
+        skip = path_skip(path, args, device, compile_issue)
+        if skip:
+            out[name] = {"skipped": skip}
             continue
+        options = SpeedOptions(**path_options(path))
+        if options.fp8 and not fp8.is_fp8(model.blocks[0].self_attn.q):
+            out["fp8_layers"] = to_fp8_(model)
         res = run_case(step, options, 5.0, args.repeats, reference)
         res["latent_deviation"] = deviation(res.pop("latent"), reference)
         if not options.compile:
@@ -230,19 +269,27 @@ def base_cam(args, device, rates) -> dict:
         out[name] = res
         print(f"base_cam {name}: {res}", file=sys.stderr)
     out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates)
-    for name in ("bf16_compiled", "fp8_compiled", "fp8_eager"):
+    base = out.get("bf16_compiled", {}).get("step_s")
+    for name in (
+        "bf16_compiled",
+        "bf16_compiled_fp8attn",
+        "fp8_eager",
+        "fp8_compiled",
+        "fp8_compiled_fp8attn",
+    ):
         if "step_s" in out.get(name, {}):
-            out[f"{name}_over_bf16_compiled"] = (
-                round(out[name]["step_s"] / out["bf16_compiled"]["step_s"], 3)
-                if "step_s" in out["bf16_compiled"]
-                else None
-            )
-    for prec, case in (("bf16", "bf16_compiled"), ("fp8", "fp8_compiled")):
-        if "step_s" in out.get(case, {}):
-            out[f"{case}_over_sustained_floor"] = round(
-                out[case]["step_s"] / out["floor"][f"{prec}_sustained_s"], 3
-            )
+            out[f"{name}_over_bf16_compiled"] = round(out[name]["step_s"] / base, 3) if base else None
+    for case in ("bf16_compiled", "bf16_compiled_fp8attn", "fp8_compiled", "fp8_compiled_fp8attn"):
+        floor = out["floor"].get(floor_key(case))
+        if "step_s" in out.get(case, {}) and floor:
+            out[f"{case}_over_sustained_floor"] = round(out[case]["step_s"] / floor, 3)
     return out
+
+
+def floor_key(path: str) -> str:
+    """The `floors` entry a path is measured against (its Linears' precision; fp8 attention or SDPA's)."""
+    prec = "fp8" if path.startswith("fp8") else "bf16"
+    return f"{prec}_fp8attn_sustained_s" if path.endswith("_fp8attn") else f"{prec}_sustained_s"
 
 
 class ChunkTimer(Hooks):
@@ -301,17 +348,18 @@ def v2_case(kind_name, args, device, rates) -> dict:
         compile_issue = "CPU: inductor takes minutes to build; pass --cpu-compile"
     latents = {}
     mean = lambda values: round(sum(values) / len(values), 4)  # noqa: E731
-    for name in ("bf16", "bf16_compiled", "fp8", "fp8_compiled"):
-        compiled = name.endswith("_compiled")
-        if compiled and compile_issue:
-            out[name] = {"skipped": compile_issue}
+    for name in PATHS:
+        skip = path_skip(name, args, device, compile_issue)
+        if skip:
+            out[name] = {"skipped": skip}
             continue
-        if name == "fp8":
+        options = path_options(name)
+        compiled = options["compile"]
+        if options["fp8"] and not fp8.is_fp8(model.blocks[0].self_attn.q):
             out["fp8_layers"] = to_fp8_(model)
         timer = ChunkTimer(device)
-        session = FastSession(
-            model, context, y, lat_shape, dataclasses.replace(config, compile=compiled), device, timer
-        )
+        run_config = dataclasses.replace(config, compile=compiled, attention=options["attention"])
+        session = FastSession(model, context, y, lat_shape, run_config, device, timer)
         times, steps, commits, xs = [], [], [], []
         for c in range(chunks):
             sync(device)
@@ -333,27 +381,29 @@ def v2_case(kind_name, args, device, rates) -> dict:
             "forwards_per_chunk": len(config.timestep_index) + 1,
         }
         out[name]["commit_share"] = round(out[name]["commit_s"] / out[name]["chunk_s"], 3)
+        eager = "fp8" if options["fp8"] else "bf16"  # this precision's exact loop
         if compiled:
             out[name]["compiled"] = not speed._shared_runners[speed.run_chunk_block].failed
             out[name]["compile_chunk_s"] = out[name]["chunks_s"][warm - 1]
-            eager = name.removesuffix("_compiled")
+        if name != eager and eager in latents:
             out[name]["last_chunk_deviation_from_eager"] = deviation(xs[-1], latents[eager][-1])
             out[f"{name}_over_{eager}"] = round(out[name]["chunk_s"] / out[eager]["chunk_s"], 3)
+        if name != "bf16" and "bf16" in latents:
+            out[name]["last_chunk_deviation_from_bf16"] = deviation(xs[-1], latents["bf16"][-1])
+            out[f"{name}_over_bf16"] = round(out[name]["chunk_s"] / out["bf16"]["chunk_s"], 3)
         if device.type == "cuda":
             out[name]["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
         print(f"{kind_name} {name}: {out[name]}", file=sys.stderr)
-    out["fp8"]["first_chunk_deviation"] = deviation(latents["fp8"][0], latents["bf16"][0])
-    out["fp8"]["last_chunk_deviation"] = deviation(latents["fp8"][-1], latents["bf16"][-1])
-    out["fp8_over_bf16"] = round(out["fp8"]["chunk_s"] / out["bf16"]["chunk_s"], 3)
+    if "fp8" in latents and "bf16" in latents:
+        out["fp8"]["first_chunk_deviation"] = deviation(latents["fp8"][0], latents["bf16"][0])
     # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)
-    forwards = out["bf16"]["forwards_per_chunk"]
+    forwards = len(config.timestep_index) + 1
     kv = min(out["kv_tokens_when_full"], out["q_tokens"] * chunks) or out["q_tokens"]
     out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates)
-    for name in ("bf16", "bf16_compiled", "fp8", "fp8_compiled"):
-        if "chunk_s" in out[name]:
-            out[f"{name}_over_sustained_floor"] = round(
-                out[name]["chunk_s"] / out["floor"][f"{name.split('_')[0]}_sustained_s"], 3
-            )
+    for name in PATHS:
+        floor = out["floor"].get(floor_key(name))
+        if "chunk_s" in out[name] and floor:
+            out[f"{name}_over_sustained_floor"] = round(out[name]["chunk_s"] / floor, 3)
     del model
     torch._dynamo.reset()  # the compiled graphs' references to this model go with them
     return out
@@ -388,6 +438,9 @@ def attention_cases(args, device) -> dict:
     for pkg in ("flash_attn", "flash_attn_interface", "flashinfer", "sageattention"):
         extra[pkg] = "importable" if importlib.util.find_spec(pkg) is not None else "absent"
     out = {"packages": extra}
+    fp8_attn = attention.problem("fp8", device) is None
+    if not fp8_attn:
+        out["fp8_cudnn"] = attention.problem("fp8", device)
     d = 128 if full else 16
     for shape, (heads, lq, lk) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
@@ -406,6 +459,10 @@ def attention_cases(args, device) -> dict:
         runs = {name: functools.partial(_with_backend, backend) for name, backend in backends.items()}
         optional = {"flash_attn": _flash_attn, "sageattention": _sage, "flashinfer": _flashinfer}
         runs.update({name: fn for name, fn in optional.items() if extra[name] == "importable"})
+        if fp8_attn:
+            runs["fp8_cudnn"] = _fp8_attention
+            codes = [fp8_attention.quantize(t[0].transpose(0, 1)) for t in (q, k, v)]
+            runs["fp8_cudnn_kernel"] = functools.partial(_fp8_kernel, codes)
         for name, kernel in runs.items():
             fn = functools.partial(kernel, q, k, v)
             try:
@@ -415,8 +472,15 @@ def attention_cases(args, device) -> dict:
                 res[name] = {"unavailable": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"}
                 continue
             res[name] = {"ms": round(t * 1e3, 3)}
-            if ref is not None:
+            if ref is not None and name != "fp8_cudnn_kernel":
                 res[name].update(deviation(o, ref))
+        if fp8_attn:  # the kernel against its arithmetic in plain torch, on the first heads
+            few = min(heads, 2)
+            part = [(c[:, :few].contiguous(), s) for c, s in codes]
+            kernel = torch.ops.lingbot.fp8_attention(*(c for c, _ in part), *(s for _, s in part))
+            emulated = fp8_attention.reference(*(c for c, _ in part), *(s for _, s in part))
+            res["fp8_cudnn"]["vs_reference"] = deviation(kernel.float(), emulated.float())
+            del codes, part
         timed_ok = {n: r["ms"] for n, r in res.items() if isinstance(r, dict) and "ms" in r}
         if timed_ok:
             res["fastest"] = min(timed_ok, key=timed_ok.get)
@@ -434,6 +498,17 @@ def _with_backend(backend, q, k, v):
         return F.scaled_dot_product_attention(q, k, v)
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(q, k, v)
+
+
+def _fp8_attention(q, k, v):
+    """`--attention fp8` as the blocks call it ([L, heads, d]; quantization included, eager)."""
+    out = fp8_attention.attention(*(t[0].transpose(0, 1) for t in (q, k, v)), torch.bfloat16)
+    return out.transpose(0, 1)[None]
+
+
+def _fp8_kernel(codes, *_):
+    """cuDNN's fp8 attention alone, on operands quantized beforehand."""
+    return torch.ops.lingbot.fp8_attention(*(c for c, _ in codes), *(s for _, s in codes))
 
 
 def _flash_attn(q, k, v):
@@ -470,6 +545,13 @@ def main() -> int:
         help="cases to leave out",
     )
     ap.add_argument("--cpu-compile", action="store_true", help="also compile on CPU (minutes to build)")
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        default=list(PATHS),
+        choices=PATHS,
+        help="paths of the base-cam and chunk-loop cases (bf16 eager always runs: the reference)",
+    )
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     if args.scale == "full" and not cuda:
@@ -482,6 +564,7 @@ def main() -> int:
         "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
         "torch": torch.__version__,
         "fp8_problem": fp8.fp8_problem(device),
+        "fp8_attention_problem": attention.problem("fp8", device),
         "note": "random weights: deviations are numerics only, not image quality",
     }
     if cuda and summary["fp8_problem"] is not None:

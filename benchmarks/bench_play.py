@@ -152,6 +152,9 @@ def main() -> int:
         "--fp8", action="store_true", help="the DiT blocks' Linears in fp8 (quantized while loading)"
     )
     ap.add_argument("--compile", action="store_true", help="compile the DiT's chunk forward")
+    ap.add_argument(
+        "--attention", choices=["sdpa", "fp8"], default="sdpa", help="the DiT's attention (fp8: cuDNN's)"
+    )
     ap.add_argument("--decode_device", help="the VAE's device, e.g. cuda:1 (default: the DiT's)")
     ap.add_argument(
         "--overlap",
@@ -203,6 +206,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         t5_device="cpu" if args.t5_cpu else None,
         condition_frames=play.CONDITION_FRAMES if full else 4,
         compile=args.compile,
+        attention=args.attention,
         quantize="fp8" if args.fp8 else None,
         decode_device=args.decode_device,
         overlap={"on": True, "off": False}.get(args.overlap),
@@ -265,6 +269,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         "mode": args.mode,
         "compile": args.compile,
         "fp8": args.fp8,
+        "attention": args.attention,
         "decode_device": str(session.decode_device),
         "overlap": session.overlap,
         "chunks": stats["chunks"],

@@ -21,7 +21,7 @@ from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
 from .sampler import frame_inputs, image_to_input
-from .speed import SPEED, SpeedOptions, check_fp8_input
+from .speed import SPEED, SpeedOptions, check_speed_input
 from .text import TEXT, conditioning_to_context
 from .vae import sampler_vae
 
@@ -333,8 +333,7 @@ class LingBotFastSampler:
                 "step_cache and lean_activations there (they are the base-cam sampler's)"
             )
         attention.resolve(speed.attention)  # a missing backend's package is named before any work
-        if speed.fp8:
-            check_fp8_input(memory.torch_device())
+        check_speed_input(speed, memory.torch_device())
         if (text is None) == (positive is None):
             raise ValueError(
                 "text: connect LingBot Text Encode to 'text' or a CLIP Text Encode to 'positive' (one)"
@@ -353,6 +352,7 @@ class LingBotFastSampler:
             model.swap_blocks,
             length,
             compile=speed.compile,
+            attention=speed.attention,
         )
         chunk = config.chunk_frames
         sizing = (
@@ -387,23 +387,22 @@ class LingBotFastSampler:
         hooks, phases = memory.sampling_hooks(chunks)
         timings, error = [], None
         try:
-            with attention.use(speed.attention):
-                latent, _ = chunked.run(
-                    # ComfyUI is asked for need.loop in all
-                    lambda: model.model(device, need.loop - need.model, speed.fp8),
-                    vae.encode,
-                    context,
-                    chunked.Chunks(
-                        img,
-                        size,
-                        frames,
-                        config,
-                        fast_run.whole_path_cameras(cam, chunk),
-                        device,
-                        hooks,
-                        lambda c, v, t: timings.append(t),
-                    ),
-                )
+            latent, _ = chunked.run(
+                # ComfyUI is asked for need.loop in all
+                lambda: model.model(device, need.loop - need.model, speed.fp8),
+                vae.encode,
+                context,
+                chunked.Chunks(
+                    img,
+                    size,
+                    frames,
+                    config,
+                    fast_run.whole_path_cameras(cam, chunk),
+                    device,
+                    hooks,
+                    lambda c, v, t: timings.append(t),
+                ),
+            )
         except torch.OutOfMemoryError:
             model.close()
             error = memplan.oom_error(hooks.current, None)

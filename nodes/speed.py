@@ -17,6 +17,18 @@ DEFAULTS = SpeedOptions()
 LEAN = {"auto": "auto", "on": True, "off": False}  # widget value -> SpeedOptions.lean_activations
 
 
+def check_speed_input(speed: SpeedOptions | None, device) -> None:
+    """LingBot Speed's choices that cannot run on `device` (fp8_linears or fp8 attention without fp8 tensor
+    cores): one clear error before any load."""
+    if speed is None:
+        return
+    if speed.fp8:
+        check_fp8_input(device)
+    problem = attention.problem(speed.attention, device)
+    if problem is not None:
+        raise ValueError(f"speed attention: {problem}".replace("use --attention sdpa", "pick sdpa"))
+
+
 def check_fp8_input(device) -> None:
     """LingBot Speed's fp8_linears on a device without fp8 tensor cores: one clear error before any load."""
     problem = fp8_problem(device)
@@ -41,10 +53,12 @@ class LingBotSpeed:
         return {
             "required": {
                 "attention": (
-                    ["sdpa", "sage", COMFY],
+                    ["sdpa", "sage", "fp8", COMFY],
                     {
                         "default": DEFAULTS.attention,
                         "tooltip": "sdpa: PyTorch's kernels. sage: SageAttention (needs the sageattention package). "
+                        "fp8: cuDNN's fp8 attention (a GPU with fp8 tensor cores, Hopper or newer, and the "
+                        "nvidia-cudnn-frontend package; faster, not exact). "
                         "comfy: ComfyUI's optimized attention, as set by --use-sage-attention / --use-flash-attention.",
                     },
                 ),

@@ -50,10 +50,11 @@ def settings(
     swap_blocks,
     frame_num: int | None,
     compile: bool = False,
+    attention: str = "sdpa",
 ) -> tuple[FastConfig, int]:
     """(checked FastConfig of the model kind, blocks swapped); the frame count (None: the default) checked
     against the kind's chunk and RoPE table."""
-    config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
+    config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention)
     swap = resolve_swap_blocks(swap_blocks, num_layers)
     fast_latent_frames(fast_run.DEFAULT_FRAMES if frame_num is None else frame_num, kind.chunk_frames)
     return config, swap

@@ -63,10 +63,12 @@ def fast_config(
     kv_dtype: str,
     kind: ChunkedKind = CHUNKED_KINDS["fast"],
     compile: bool = False,
+    attention: str = "sdpa",
 ) -> FastConfig:
     """A checked FastConfig for the model kind (its chunk and step indices; shift, window and sink given
     as None are its documented run's); kv_dtype by name ('bf16' = the model's compute dtype, 'fp8' =
-    float8 e4m3); `compile`: compiled blocks once the window is full (`FastConfig.compile`)."""
+    float8 e4m3); `compile`: compiled blocks once the window is full (`FastConfig.compile`); `attention`: the
+    forwards' attention backend (`wan.attention`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     config = FastConfig.for_kind(
@@ -77,6 +79,7 @@ def fast_config(
         sink_size=sink_size,
         kv_dtype=KV_DTYPES[kv_dtype],
         compile=compile,
+        attention=attention,
     )
     config.validate()
     return config

@@ -180,6 +180,7 @@ class PlaySession:
         sink_size: int | None = None,
         kv_dtype: str = "bf16",
         compile: bool = False,
+        attention: str = "sdpa",
         quantize: bool | None = None,
         swap: int = 0,
         tile=None,
@@ -207,7 +208,9 @@ class PlaySession:
         control = files.config.control_type
         if control != "cam":
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
-        self.config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile)
+        self.config = fast_run.fast_config(
+            shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention
+        )
         self.ranks, self.lead = ranks, distributed.rank() == 0  # rank 0 leads; the others follow()
         self._sent = time.monotonic()  # rank 0's last message to the others
         self._mid_chunk = False  # rank 0 ordered a chunk that has not finished (no stop can follow it)

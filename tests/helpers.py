@@ -5,6 +5,7 @@ Fast sampler call, the block-swap tests' tiny NF4 expert with its LoRA, the CLI'
 recorder, a process-exit wait and a headless Chromium."""
 
 import contextlib
+import functools
 import os
 import shutil
 import socket
@@ -354,3 +355,21 @@ def headless_chromium(profile: Path):
         yield driver
     finally:
         driver.quit()
+
+
+def tiny_fast_inputs(lat=(9, 4, 6), text_dim=32, seed=0):
+    """(y, context, cam) of a tiny Fast chunk loop over `lat` latent frames."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(20, *lat, generator=g)
+    ctx = torch.randn(5, text_dim, generator=g)
+    cam = torch.randn(1, 384, *lat, generator=g)
+    return y, ctx, cam
+
+
+@functools.cache
+def tiny_fast_model():
+    """A tiny random cam DiT (the model `tiny_fast_inputs` fits), built once."""
+    from lingbot_world.loaders import synthetic
+    from lingbot_world.wan.dit import WanModel, init_random_
+
+    return init_random_(WanModel.from_config(synthetic.tiny_config("cam")), seed=1).eval()

@@ -438,6 +438,9 @@ def test_bench_upstream_v2(tmp_path):
 def test_bench_fp8(tmp_path):
     s = run_tiny("bench_fp8.py", tmp_path)
     assert s["bench"] == "fp8" and s["device"] == "cpu" and "fp8 tensor cores" in s["fp8_problem"]
+    assert (
+        "CUDA GPU" in s["fp8_attention_problem"] and s["attention"]["fp8_cudnn"] == s["fp8_attention_problem"]
+    )
     base = s["base_cam"]
     assert base["fp8_layers"] > 0 and base["bf16_compiled"]["skipped"].startswith("CPU")
     fp8_eager = base["fp8_eager"]
@@ -458,6 +461,7 @@ def test_bench_fp8(tmp_path):
                 and 0 < v2[name]["steps_s"] < v2[name]["chunk_s"]
             )
             assert v2[f"{name}_compiled"]["skipped"].startswith("CPU")
+            assert v2[f"{name}_compiled_fp8attn"]["skipped"]
         assert v2["fp8_over_bf16"] == pytest.approx(v2["fp8"]["chunk_s"] / v2["bf16"]["chunk_s"], rel=1e-2)
     attn = s["attention"]
     assert set(attn["packages"]) == {"flash_attn", "flash_attn_interface", "flashinfer", "sageattention"}

@@ -10,12 +10,12 @@ from pathlib import Path
 import bitsandbytes as bnb
 import pytest
 import torch
-from helpers import record_forwards
+from helpers import record_forwards, tiny_fast_inputs, tiny_fast_model
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.stream import load_expert
 from lingbot_world.wan import attention as attention_backends
 from lingbot_world.wan.block_swap import BlockSwapper
-from lingbot_world.wan.dit import WanModel, init_random_
+from lingbot_world.wan.dit import WanModel
 from lingbot_world.wan.fast import (
     CHUNK_FRAMES,
     FastConfig,
@@ -119,22 +119,9 @@ def test_cache_roll_keeps_sink_and_newest():
     assert k.shape[0] == 3
 
 
-def tiny_inputs(lat=(9, 4, 6), text_dim=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randn(20, *lat, generator=g)
-    ctx = torch.randn(5, text_dim, generator=g)
-    cam = torch.randn(1, 384, *lat, generator=g)
-    return y, ctx, cam
-
-
-@functools.cache
-def tiny_model() -> WanModel:
-    return init_random_(WanModel.from_config(S.tiny_config("cam")), seed=1).eval()
-
-
 def test_commit_pass_changes_the_next_chunk():
-    model = tiny_model()
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
     outs = []
     for skip in (False, True):
         s = FastSession(model, ctx, y, (9, 4, 6), FastConfig(), "cpu")
@@ -148,8 +135,8 @@ def test_chunks_run_the_models_one_forward():
     """The session has no block of its own: its first forward (empty cache) is the bidirectional forward of
     the chunk, bit for bit."""
     assert not {"_block", "_self_attn", "_cross_attn", "_rope"} & set(vars(FastSession))
-    model = tiny_model()
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
     s = FastSession(model, ctx, y, (9, 4, 6), FastConfig(), "cpu")
     flows = record_forwards(s)
     s.next_chunk(cam[:, :, :3])
@@ -160,8 +147,8 @@ def test_chunks_run_the_models_one_forward():
 
 
 def test_lean_activations_run_the_chunks_too():
-    model = tiny_model()  # bf16 compute: the lean blocks equal the normal ones bit for bit on the CPU
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()  # bf16 compute: the lean blocks equal the normal ones bit for bit on the CPU
+    y, ctx, cam = tiny_fast_inputs()
     fast = FastConfig(local_attn_size=6, sink_size=3)
     want = generate_fast(model, ctx, y, cam, (9, 4, 6), fast, "cpu")
     model.lean_activations, model.lean_chunk = True, 7
@@ -173,8 +160,8 @@ def test_lean_activations_run_the_chunks_too():
 
 
 def test_generate_fast_is_the_session_loop_and_windows_matter():
-    model = tiny_model()
-    y, ctx, cam = tiny_inputs(lat=(12, 4, 6))
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs(lat=(12, 4, 6))
     full = generate_fast(model, ctx, y, cam, (12, 4, 6), FastConfig(), "cpu")
     s = FastSession(model, ctx, y, (12, 4, 6), FastConfig(), "cpu")
     for k in range(4):
@@ -231,8 +218,8 @@ def test_window_must_hold_sink_and_a_chunk():
 
 
 def test_bad_inputs_are_refused():
-    model = tiny_model()
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
     with pytest.raises(ValueError, match="lat_shape"):
         FastSession(model, ctx, y, (8, 4, 6), FastConfig(), "cpu")
     with pytest.raises(ValueError, match="y: expected"):
@@ -257,7 +244,7 @@ def load_nf4(path):
 def test_block_swap_is_bit_identical(tmp_path):
     cfg = S.tiny_config(num_layers=4)
     path = S.write_nf4_expert(tmp_path / "nf4", cfg, seed=3, mode="quantize")
-    y, ctx, cam = tiny_inputs(text_dim=cfg.text_dim)
+    y, ctx, cam = tiny_fast_inputs(text_dim=cfg.text_dim)
     fast = FastConfig(local_attn_size=6, sink_size=3)
     model = load_nf4(path)
     want = generate_fast(model, ctx, y, cam, (9, 4, 6), fast, "cpu")
@@ -269,8 +256,8 @@ def test_block_swap_is_bit_identical(tmp_path):
 
 
 def test_kv_dtype_fp8_stores_less_and_deviates_slightly():
-    model = tiny_model()  # bf16 compute
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()  # bf16 compute
+    y, ctx, cam = tiny_fast_inputs()
     base = FastSession(model, ctx, y, (9, 4, 6), FastConfig(), "cpu")
     small = FastSession(model, ctx, y, (9, 4, 6), FastConfig(kv_dtype=torch.float8_e4m3fn), "cpu")
     assert base._cache.k[0].dtype == torch.bfloat16 and small._cache.k[0].dtype == torch.float8_e4m3fn
@@ -282,9 +269,9 @@ def test_kv_dtype_fp8_stores_less_and_deviates_slightly():
 
 
 def test_kv_cache_bytes_planner_matches_session():
-    model = tiny_model()
+    model = tiny_fast_model()
     cfg = model.config
-    y, ctx, cam = tiny_inputs(lat=(12, 4, 6))
+    y, ctx, cam = tiny_fast_inputs(lat=(12, 4, 6))
     for fast in (
         FastConfig(),
         FastConfig(local_attn_size=6, sink_size=3),
@@ -306,8 +293,8 @@ def test_kv_cache_bytes_planner_matches_session():
 
 
 def test_attention_backend_is_used():
-    model = tiny_model()
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
     calls = []
 
     def counting(q, k, v, dtype):
@@ -316,8 +303,7 @@ def test_attention_backend_is_used():
 
     attention_backends.register("counting_fast_test", counting)
     want = generate_fast(model, ctx, y, cam, (9, 4, 6), FastConfig(), "cpu")
-    with attention_backends.use("counting_fast_test"):
-        got = generate_fast(model, ctx, y, cam, (9, 4, 6), FastConfig(), "cpu")
+    got = generate_fast(model, ctx, y, cam, (9, 4, 6), FastConfig(attention="counting_fast_test"), "cpu")
     assert torch.equal(got, want)
     layers = len(model.blocks)
     assert len(calls) == 3 * 5 * layers * 2  # self + cross per block, 5 forwards per chunk
@@ -326,8 +312,8 @@ def test_attention_backend_is_used():
 
 
 def test_hooks_progress_and_interrupt_frees_caches():
-    model = tiny_model()
-    y, ctx, cam = tiny_inputs()
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
     seen = []
     s = FastSession(
         model, ctx, y, (9, 4, 6), FastConfig(), "cpu", Hooks(progress=lambda i, n, x: seen.append((i, n, x)))

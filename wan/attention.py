@@ -5,6 +5,8 @@ compute dtype, and returns [L_q, heads, head_dim] in that dtype.
 
 - ``sdpa`` (default): PyTorch's scaled_dot_product_attention, the code path the model always had.
 - ``sage``: SageAttention's quantized kernel (needs the ``sageattention`` package and a CUDA device).
+- ``fp8``: cuDNN's fp8 attention (`wan.fp8_attention`; a CUDA GPU with fp8 tensor cores and the
+  ``nvidia-cudnn-frontend`` package) for self-attention, SDPA for the text's short key set. Lossy.
 - anything a host registers: `register(name, fn)` for a backend with our signature, or
   `register_comfy(name, fn)` for a function with ComfyUI's ``optimized_attention`` signature
   ``fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False)``
@@ -22,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import fp8_attention
+
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
@@ -29,6 +33,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) 
     """Inputs cast to `dtype` as upstream's flash_attention does; SDPA kernels."""
     q, k, v = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+
+
+def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cuDNN's fp8 attention (`wan.fp8_attention`) over long key sets; SDPA over short ones (the text's 512 in
+    cross-attention), where the fp8 kernel is no faster (benchmarks/bench_fp8.py) and would only add error."""
+    if k.shape[0] < fp8_attention.MIN_KEYS:
+        return sdpa(q, k, v, dtype)
+    return fp8_attention.attention(q, k, v, dtype)
 
 
 def _sageattn():
@@ -64,7 +76,7 @@ def comfy_style(fn: Callable) -> Backend:
     return run
 
 
-_BACKENDS: dict[str, Backend] = {"sdpa": sdpa, "sage": sage}
+_BACKENDS: dict[str, Backend] = {"sdpa": sdpa, "sage": sage, "fp8": fp8}
 _active: Backend = sdpa
 
 
@@ -95,6 +107,13 @@ def resolve(name: str) -> Backend:
     if name == "sage" and _BACKENDS[name] is sage:
         _sageattn()  # fail now, naming the package, rather than inside the first block
     return _BACKENDS[name]
+
+
+def problem(name: str, device) -> str | None:
+    """Why backend `name` cannot run on `device` (None: it can, or only running it will tell)."""
+    if _BACKENDS.get(name) is fp8:
+        return fp8_attention.attention_problem(device)
+    return None
 
 
 def active() -> Backend:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import i2v, speed
+from . import attention, i2v, speed
 from .config import (
     NUM_TRAIN_TIMESTEPS,
     PATCH_SIZE,
@@ -99,6 +99,7 @@ class FastConfig:
     kv_dtype: torch.dtype | None = None  # None: the model's compute dtype
     chunk_frames: int = CHUNK_FRAMES  # latent frames per chunk
     compile: bool = False  # compiled blocks once the window is full (`ChunkBlocks`); off: the exact loop
+    attention: str = "sdpa"  # the `wan.attention` backend of every forward (sdpa: the exact loop)
 
     @classmethod
     def for_kind(cls, kind: ChunkedKind, **settings) -> "FastConfig":
@@ -154,6 +155,8 @@ class FastConfig:
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile: expected True or False, got {self.compile!r}")
+        if self.attention not in attention.names():
+            raise ValueError(f"attention: expected one of {attention.names()}, got {self.attention!r}")
         kv = self.kv_dtype
         if kv is not None and (not isinstance(kv, torch.dtype) or not kv.is_floating_point):
             raise ValueError(f"kv_dtype: expected None or a floating torch.dtype, got {kv!r}")
@@ -425,9 +428,17 @@ class FastSession:
         first = kv.text[-1] is None  # the first forward (or the first after set_context): the text's keys
         context = m.embed_text(self._context) if first else None
         run = self._runner if self._runner is not None and self._cache.rolled and not first else None
-        return m.forward_tokens(
-            latent, self._y[chunk], t, context, cam_tokens, start_frame=chunk * self.chunk, kv=kv, runner=run
-        )
+        with attention.use(self.config.attention):
+            return m.forward_tokens(
+                latent,
+                self._y[chunk],
+                t,
+                context,
+                cam_tokens,
+                start_frame=chunk * self.chunk,
+                kv=kv,
+                runner=run,
+            )
 
     # --- the chunk loop -------------------------------------------------------------------------
 

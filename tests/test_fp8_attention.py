@@ -1,0 +1,162 @@
+"""fp8 attention (`--attention fp8`): the quantization, the kernel's arithmetic (`reference`, what the op runs off
+CUDA) against exact attention, compile tracing through the op, the chunk loop taking the backend from its
+config, and the refusal where cuDNN's fp8 attention cannot run (here: the CPU), in the CLI and the nodes."""
+
+import pytest
+import torch
+from helpers import (
+    NODE_SIZE,
+    args_for,
+    expect_clear_error,
+    fast_args,
+    fast_sample,
+    node_inputs,
+    tiny_fast_inputs,
+    tiny_fast_model,
+)
+from lingbot_world.loaders.fast_checkpoint import FAST_DIR
+from lingbot_world.wan import attention, fp8_attention
+from lingbot_world.wan.fast import FastConfig, FastSession
+
+
+def qkv(lq=40, lk=72, heads=3, d=32, seed=0, peak=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(lq, heads, d, generator=g) * peak,
+        torch.randn(lk, heads, d, generator=g),
+        torch.randn(lk, heads, d, generator=g),
+    )
+
+
+def exact(q, k, v):
+    return attention.sdpa(q, k, v, torch.float32)
+
+
+def test_quantize_one_scale_per_tensor():
+    t = torch.randn(50, 2, 16) * 7
+    codes, scale = fp8_attention.quantize(t)
+    assert codes.dtype == torch.float8_e4m3fn and codes.is_contiguous() and scale.shape == (1,)
+    assert codes.float().abs().max() == fp8_attention.FP8_MAX  # the largest magnitude maps to e4m3's largest
+    back = codes.float() * scale
+    assert ((back - t).abs() <= t.abs() * 2**-4 + scale * 2**-9).all()  # 3 mantissa bits (subnormals: 2^-9)
+    zero_codes, zero_scale = fp8_attention.quantize(torch.zeros(4, 1, 16))
+    assert zero_scale.item() > 0 and not zero_codes.float().any()
+
+
+@pytest.fixture
+def fp8_everywhere(monkeypatch):
+    """The fp8 backend on every key set (the tiny shapes here are below its SDPA threshold)."""
+    monkeypatch.setattr(fp8_attention, "MIN_KEYS", 0)
+
+
+def test_short_key_sets_stay_exact():
+    q, k, v = qkv(lk=fp8_attention.MIN_KEYS - 1)
+    assert torch.equal(
+        attention.resolve("fp8")(q, k, v, torch.bfloat16), attention.sdpa(q, k, v, torch.bfloat16)
+    )
+    q, k, v = qkv(lq=4, lk=fp8_attention.MIN_KEYS, heads=1, d=16)
+    fp8_out = attention.resolve("fp8")(q, k, v, torch.float32)
+    assert torch.equal(fp8_out, fp8_attention.attention(q, k, v, torch.float32))
+    assert not torch.equal(fp8_out, exact(q, k, v))
+
+
+def test_fp8_backend_is_close_to_exact_and_never_saturates(fp8_everywhere):
+    q, k, v = qkv()
+    want = exact(q, k, v)
+    got = attention.resolve("fp8")(q, k, v, torch.float32)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 1e-3 < rel < 0.15  # lossy (e4m3 probabilities and output), not wrong
+    # the output rides at v's scale: a convex combination of v's rows never exceeds max |v|
+    _, v_scale = fp8_attention.quantize(v)
+    (q8, qs), (k8, ks), (v8, vs) = (fp8_attention.quantize(t) for t in (q, k, v))
+    codes = fp8_attention.reference(q8, k8, v8, qs, ks, vs)
+    assert codes.float().abs().max() < fp8_attention.FP8_MAX
+    # bf16 in and out, fp8 K/V (a cache stored in e4m3) in: the same arithmetic
+    half = attention.resolve("fp8")(q.bfloat16(), k.to(torch.float8_e4m3fn), v.bfloat16(), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and ((half.float() - want).norm() / want.norm()) < 0.15
+
+
+def test_reference_with_a_peaked_softmax_follows_the_top_key(fp8_everywhere):
+    q, k, v = qkv(lq=8, lk=64, heads=1, d=16, peak=1.0)
+    k[5] = q[0] * 40  # query 0 attends to key 5 almost alone
+    got = attention.resolve("fp8")(q, k, v, torch.float32)
+    assert torch.allclose(got[0], v[5], rtol=0.08, atol=0.08 * v.abs().max().item())
+
+
+def test_fp8_op_traces_into_one_graph(fp8_everywhere):
+    q, k, v = qkv()
+    eager = attention.resolve("fp8")(q, k, v, torch.bfloat16)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with attention.use("fp8"):
+        fn = torch.compile(lambda q, k, v: attention.attention(q, k, v, torch.bfloat16), backend=record)
+        out = fn(q, k, v)
+    assert torch.equal(out, eager)
+    assert len(graphs) == 1  # no graph break: the cuDNN call is one opaque op inside the block's graph
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.lingbot.fp8_attention.default in ops or torch.ops.lingbot.fp8_attention in ops
+
+
+def test_chunk_loop_takes_the_backend_from_its_config(fp8_everywhere):
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
+    lat = (9, 4, 6)
+
+    def chunks(config):
+        s = FastSession(model, ctx, y, lat, config, "cpu")
+        return torch.cat([s.next_chunk(cam[:, :, 3 * i : 3 * i + 3]) for i in range(3)], dim=1)
+
+    want = chunks(FastConfig())
+    assert torch.equal(chunks(FastConfig(attention="sdpa")), want)  # the default: the exact loop
+    got = chunks(FastConfig(attention="fp8"))
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.3
+    assert attention.active() is attention.sdpa  # the session's backend does not leak out of its forwards
+    with pytest.raises(ValueError, match=r"attention: expected one of .*'fp8'.*got 'fp9'"):
+        FastConfig(attention="fp9").validate()
+
+
+def test_fp8_attention_refused_off_cuda():
+    problem = attention.problem("fp8", "cpu")
+    assert "CUDA GPU with fp8 tensor cores" in problem and "--attention sdpa" in problem
+    assert attention.problem("sdpa", "cpu") is None and attention.problem("sage", "cpu") is None
+
+
+def test_cli_attention_fp8_refused_on_cpu_before_anything_loads(
+    nf4_ckpt, fast_ckpt, shipped_example, tmp_path, capsys, nothing_loads
+):
+    out = tmp_path / "o.mp4"
+    for args in (
+        args_for(nf4_ckpt, shipped_example / "poses.npy", out, "--attention", "fp8"),
+        fast_args(fast_ckpt, shipped_example, out, "--attention", "fp8"),
+        ["play", "--ckpt_dir", str(fast_ckpt), "--image", str(shipped_example / "image.jpg")]
+        + ["--prompt", "a castle", "--device", "cpu", "--attention", "fp8"],
+    ):
+        expect_clear_error(
+            capsys, args, out, "--attention: attention 'fp8' runs cuDNN's fp8 attention", "--attention sdpa"
+        )
+
+
+def test_speed_node_fp8_attention_refused_in_both_samplers(
+    nf4_ckpt, fast_ckpt, shipped_example, tmp_path, fake_comfy
+):
+    nodes = fake_comfy(nf4_ckpt, tmp_path)
+    choices, _ = nodes.LingBotSpeed.INPUT_TYPES()["required"]["attention"]
+    assert "fp8" in choices
+    (speed,) = nodes.LingBotSpeed().options("fp8", False, "none", 0.05, 7, 1)
+    assert speed.attention == "fp8"
+    text, vae, camera, image = node_inputs(nodes, shipped_example)
+    (experts,) = nodes.LingBotExpertsLoader().load("", "", False, 0.0, ckpt_dir=str(nf4_ckpt))
+    settings = (*NODE_SIZE, 9, 2, 10.0, 0.947, 4.0, 6.0, 0, "unipc")
+    with pytest.raises(ValueError, match="speed attention: attention 'fp8' runs cuDNN.*pick sdpa"):
+        nodes.LingBotSampler().sample(experts, vae, image, *settings, camera=camera, text=text, speed=speed)
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    with pytest.raises(ValueError, match="speed attention: attention 'fp8' runs cuDNN"):
+        fast_sample(nodes, model, vae, image, text=text, speed=speed)

@@ -246,12 +246,12 @@ class FastProbe:
             }
             return None if self.skip else issue
 
-        def chunks(session, cameras, decoder, on_chunk):
+        def chunks(session, cameras, decoder, on_chunk, *decode_on):
             def record(latent, frames, timing):
                 self.timings.append(timing)
                 on_chunk(latent, frames, timing)
 
-            return run_chunks(session, cameras, decoder, record)
+            return run_chunks(session, cameras, decoder, record, *decode_on)
 
         with (
             mock.patch.object(fast_run, "fast_memory", fast_memory),
@@ -287,7 +287,7 @@ class FastProbe:
             return None if m is None or not p else round(m / p, 3)
 
         steady = self.timings[1:] or self.timings  # the first chunk makes 13 frames, later ones 16
-        seconds = sum(t.denoise_s + t.decode_s for t in steady)
+        seconds = sum(t.seconds for t in steady)  # overlapped (--decode_device): the slower of the two
         fps = sum(t.frames for t in steady) / seconds if seconds else None
         chunks_s = by_phase.get("chunks", {}).get("seconds")
         return {
@@ -323,6 +323,7 @@ class FastProbe:
                     "frames": t.frames,
                     "fps": round(t.fps, 2),
                     "kv_cache_gib": gib(t.kv_cache_bytes),
+                    "overlap": t.overlap,  # decoded beside the next chunk's denoise
                 }
                 for t in self.timings
             ],

@@ -171,8 +171,9 @@ def run_files(
     """A run from the model's files (the CLI's): the prompt's embeddings, the VAE, then `run` with the model
     streamed in (quantized if asked, `swap` blocks in host RAM) and each chunk decoded with `tile` (the
     decoder in `decode_dtype`, None: the exact one); the latent also saved for ComfyUI's Load Latent node
-    (`save_latent`); the VAE on `job.vae_device`. Under sequence parallel (`ranks` > 1) rank 0 alone encodes the
-    text and the first frame (the others receive them), decodes and saves. Returns `run`'s (latent or None, chunks made)."""
+    (`save_latent`); the VAE on `job.vae_device`. Under sequence parallel (`ranks` > 1) rank 0 alone encodes
+    the text and the first frame (the others receive them), decodes and saves. Returns `run`'s (latent or None,
+    chunks made)."""
     lead, device = distributed.rank() == 0, job.device
     with job.hooks.in_phase("text_encode"):
         context = None

@@ -570,3 +570,40 @@ def test_fast_plans_the_decode_device_apart(
     free.update({0: need.peak - 1, 1: decode})
     with pytest.raises(ValueError, match=r"^memory on cuda:0 \(the DiT\)"):
         check(planner.free_memory)
+
+
+def test_fast_decode_worker_takes_the_compile_warm_up_one_chunk_at_a_time():
+    """With compiled blocks the DiT traces at the first chunk that rolls the window (v1 Fast, window 6: chunk
+    2); a compiled decoder must not run beside that trace, so the worker decodes chunks 0..2 before the next
+    chunk starts, and only later chunks beside the next one's DiT."""
+    config = fast_run.fast_config(None, 0, 6, 0, "bf16", compile=True)
+    assert fast_run.compile_warm_chunks(config, 5) == 3 and fast_run.compile_warm_chunks(config, 2) == 2
+    assert fast_run.compile_warm_chunks(fast_run.fast_config(None, 0, -1, 0, "bf16", compile=True), 5) == 0
+    started = [threading.Event() for _ in range(6)]  # chunk k's DiT has started
+    beside = {}  # chunk k's decode: whether chunk k + 1's DiT ran beside it
+
+    class Session:
+        device, num_chunks, done = torch.device("cpu"), 5, 0
+
+        def __init__(self):
+            self.config = config
+
+        def next_chunk(self, cam):
+            started[self.done].set()
+            self.done += 1
+            return torch.full((16, 3, 2, 2), float(self.done - 1))
+
+        def kv_cache_bytes(self):
+            return 0
+
+    class Decoder:
+        def decode(self, latent):
+            k = int(latent[0, 0, 0, 0])
+            beside[k] = started[k + 1].wait(600 if k == 3 else 0)
+            return torch.zeros(3, 12, 16, 16)
+
+    seen = []
+    made = fast_run.run_chunks(Session(), iter([None] * 5), Decoder(), lambda *a: seen.append(a[2]), "cpu")
+    assert made == 5 and [t.index for t in seen] == list(range(5)) and not decode_threads()
+    assert beside == {0: False, 1: False, 2: False, 3: True, 4: False}
+    assert [t.overlap for t in seen] == [False, False, False, True, True]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -1207,6 +1208,20 @@ def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
     add_vae_dtype_arg(p)
 
 
+def add_decode_device_arg(p: argparse.ArgumentParser) -> None:
+    """--decode_device of the chunked models' commands (`fast`, `play`)."""
+    p.add_argument(
+        "--decode_device",
+        help="run the VAE (the decode) on this device, e.g. cuda:1, while --device's GPU makes the next chunk "
+        "(default: --device, where the decode overlaps the next chunk if the memory check finds room for both)",
+    )
+
+
+def resolve_decode_device(args):
+    """--decode_device checked before anything loads (None: not given)."""
+    return None if args.decode_device is None else resolve_device(args.decode_device, "--decode_device")
+
+
 def add_fast_args(p: argparse.ArgumentParser):
     add_chunked_model_args(p)
     p.add_argument("--image", type=Path, required=True, help="the first frame")
@@ -1254,6 +1269,7 @@ def add_fast_args(p: argparse.ArgumentParser):
         "default: the model's; v1 Fast 0, v2 6)",
     )
     add_chunked_runtime_args(p, vae_tile="auto")
+    add_decode_device_arg(p)
     p.add_argument(
         "--output", "--save_file", dest="output", type=Path, help="MP4 path (default: outputs/...)"
     )
@@ -1306,7 +1322,8 @@ def check_heads(ranks: int, num_heads: int) -> None:
 def run_fast(args) -> int:
     """`fast`; under torchrun with --ulysses_size N (or --parallel auto) every rank runs the chunk loop's
     forwards on its share of the tokens and rank 0 alone encodes the text and the first frame, decodes and
-    writes (as `generate`)."""
+    writes (as `generate`), on --decode_device where given."""
+    decode_device = resolve_decode_device(args)
     output = check_outputs(args, "lingbot_fast")
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
     check_heads(
@@ -1315,18 +1332,20 @@ def run_fast(args) -> int:
     )
     ranks = distributed.requested_size(args.ulysses_size, args.parallel)
     with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
-        return _run_fast(args, files, torch.device(device), ranks, output)
+        return _run_fast(args, files, torch.device(device), ranks, output, decode_device)
 
 
-def _run_fast(args, files, device, ranks, output) -> int:
+def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
     lead = distributed.rank() == 0  # encodes the text and the first frame, decodes, reports and writes
+    # the VAE's device (the first-frame encode, each chunk's decode): rank 0's alone decodes
+    vae_device = decode_device if lead and decode_device is not None else device
     quantize = load_quantize(args, device)
     check_attention(args, device)
     if args.keys == "-" and ranks > 1:
         raise ValueError("--keys -: stdin reaches rank 0 alone; under sequence parallel give a keys file")
     chunk, title = files.kind.chunk_frames, KINDS[files.kind.name].title
     tile = vae_tile(args.vae_tile)
-    decode_dtype(args.vae_dtype, device)
+    decode_dtype(args.vae_dtype, vae_device)
     config, swap = chunked.settings(
         files.kind,
         files.config.num_layers,
@@ -1348,10 +1367,25 @@ def _run_fast(args, files, device, ranks, output) -> int:
         print(
             f"frames: {args.frame_num} asked, {frames} made ({lat_f} latent frames, whole chunks of {chunk})"
         )
+    lat_shape, apart = (lat_f, lat_h, lat_w), not fast_run.same_device(device, vae_device)
+    # on each GPU: the overlap of a chunk's decode and the next chunk's DiT decided where it is left to the plan
+    overlap = fast_run.check_devices(
+        files,
+        lat_shape,
+        config,
+        quantize,
+        swap,
+        tile,
+        args.vae_dtype,
+        device,
+        vae_device,
+        memplan.free_memory,
+        ranks=ranks,
+    )
     free = generate.machine_memory(device)  # (None, None) off CUDA
     need = fast_run.fast_memory(
         files,
-        (lat_f, lat_h, lat_w),
+        lat_shape,
         config,
         quantize,
         swap,
@@ -1359,24 +1393,21 @@ def _run_fast(args, files, device, ranks, output) -> int:
         args.vae_dtype,
         ranks=ranks,
         budget=free[0],
+        **fast_run.vae_where(apart, overlap),
     )
     if lead:
+        decoding = ""
+        if apart:
+            budget = generate.machine_memory(vae_device)[0]
+            vae_peak = fast_run.decode_memory(lat_shape, chunk, tile, args.vae_dtype, budget)
+            decoding = f"; the VAE on {vae_device}, predicted peak {vae_peak / memplan.GIB:.1f} GiB"
+        if overlap:
+            decoding += "; each chunk decodes while the next one is made"
         print(
             f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
             f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
             f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
-        )
-    if device.type == "cuda":
-        chunked.check_fit(
-            files,
-            (lat_f, lat_h, lat_w),
-            config,
-            quantize,
-            swap,
-            free,
-            tile,
-            vae_dtype=args.vae_dtype,
-            ranks=ranks,
+            + decoding
         )
     # each chunk's frames go into the MP4 as they come: RAM holds a chunk, not the clip (rank 0 alone writes)
     writer = video.Mp4Writer(output, fps=fast_run.REAL_TIME_FPS, overwrite=args.overwrite) if lead else None
@@ -1385,9 +1416,8 @@ def _run_fast(args, files, device, ranks, output) -> int:
     hooks = pipeline.Hooks(phase=log.phase)
     try:
         try:
-            _fast(
-                args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks
-            )
+            job = chunked.Chunks(image, size, frames, config, None, device, hooks, None, vae_device, overlap)
+            _fast(args, files, job, tile, swap, cam, steering, rows, sink)
         except torch.OutOfMemoryError:
             error = memplan.oom_error(hooks.current, None)
         except KeyboardInterrupt:
@@ -1418,9 +1448,11 @@ def write_report(path: Path | None, log: monitor.PhaseLog) -> None:
         video.write_atomic(path, json.dumps([r.as_dict() for r in log.records], indent=1).encode(), True)
 
 
-def _fast(args, files, device, tile, image, size, frames, config, swap, cam, steering, rows, sink, hooks):
-    """The chunk loop; `sink` None: a rank other than 0 of a sequence-parallel run (it receives the text and
-    the condition from rank 0, runs its share of every forward and decodes nothing)."""
+def _fast(args, files, job, tile, swap, cam, steering, rows, sink):
+    """The chunk loop of `job` (its cameras and on_chunk filled in here); `sink` None: a rank other than 0 of a
+    sequence-parallel run (it receives the text and the condition from rank 0, runs its share of every forward
+    and decodes nothing)."""
+    config, device = job.config, job.device
     if steering is None:
         cameras = fast_run.whole_path_cameras(cam, config.chunk_frames)
     else:
@@ -1433,7 +1465,7 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
     latent, made = chunked.run_files(
         files,
         args.prompt,
-        chunked.Chunks(image, size, frames, config, cameras, device, hooks, on_chunk),
+        dataclasses.replace(job, cameras=cameras, on_chunk=on_chunk),
         t5_mode=args.t5_mode,
         t5_device="cpu" if args.t5_cpu else str(device),
         quantize=load_quantize(args),
@@ -1441,7 +1473,7 @@ def _fast(args, files, device, tile, image, size, frames, config, swap, cam, ste
         tile=tile,
         save_latent=args.save_latent,
         overwrite=args.overwrite,
-        decode_dtype=decode_dtype(args.vae_dtype, device),
+        decode_dtype=decode_dtype(args.vae_dtype, job.vae_device),
         ranks=parallel.world_size(),
     )
     if not made:
@@ -1485,11 +1517,7 @@ def add_play_args(p: argparse.ArgumentParser):
     p.add_argument("--local_attn_size", type=int, help="attention window in latent frames, sink included")
     p.add_argument("--sink_size", type=int, help="latent frames at the start the window keeps")
     add_chunked_runtime_args(p, vae_tile="none")
-    p.add_argument(
-        "--decode_device",
-        help="run the VAE (the decode) on this device, e.g. cuda:1, while --device's GPU makes the next chunk "
-        "(default: --device, where the decode overlaps the next chunk if the memory check finds room for both)",
-    )
+    add_decode_device_arg(p)
     add_parallel_args(p, "play", CHUNKED_HEADS)
 
 
@@ -1498,9 +1526,7 @@ def run_play(args) -> int:
     and decodes, and every rank runs its share of each chunk's DiT in lockstep with it (as `fast`)."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: expected 0..65535, got {args.port}")
-    decode_device = (
-        None if args.decode_device is None else resolve_device(args.decode_device, "--decode_device")
-    )
+    decode_device = resolve_decode_device(args)
     requested = resolve_device(args.device)
     load_quantize(args, requested)  # --fp8 on a card without fp8 tensor cores: exit 2 here
     check_attention(args, requested)

@@ -14,6 +14,9 @@ MP4; by default 109 frames (28 latent frames: 7 chunks of 4 for v2) and the kind
 The summary puts the planner's prediction for the run (`fast_run.fast_memory`, recorded from the
 CLI's own call) beside the measured peaks, with every chunk's time and the frame rate it sustains.
 --skip-fit-check runs it even where the planner would refuse it (its verdict is still recorded).
+Each chunk's decode runs beside the next chunk's DiT where the CLI's plan fits both on the card (each chunk
+timing says `overlap`), or on a second GPU with `--extra '--decode_device cuda:1'` (the cap applies to
+cuda:0); --serial-decode decodes each chunk after its DiT instead (the baseline).
 
 Both record per-phase wall time, peak anonymous RSS and peak VRAM (the CLI's own phase log), and the
 card's peak used memory with every process on it (the text encoder's child included:
@@ -23,6 +26,8 @@ card's peak used memory with every process on it (the text encoder's child inclu
     python benchmarks/bench_pipeline.py --scale tiny --workdir /tmp/bench_pipe     # CPU check
     python benchmarks/bench_pipeline.py --scale full --workdir /tmp/bpf --command fast --model v2-14b \
         --vram-cap-gib 24 --extra '--t5_cpu --kv_dtype fp8'
+    python benchmarks/bench_pipeline.py --scale full --workdir /tmp/bpf --command fast --model v2-1.3b \
+        --vram-cap-gib 70 --extra '--t5_cpu --vae_dtype fp16' [--serial-decode] [--extra ... --decode_device cuda:1]
 
 Prints one JSON line at the end.
 """
@@ -221,14 +226,17 @@ class FastProbe:
     """What `lingbot.py fast` planned and did, recorded around the fast_run functions it calls: the run's
     memory prediction (the first `fast_memory` call: the run's own settings, before the fit check tries
     others), the fit check's verdict (the CLI checks on CUDA only; `skip` lets the run go on where the
-    planner would refuse it, to measure it anyway) and every chunk's `ChunkTiming`."""
+    planner would refuse it, to measure it anyway) and every chunk's `ChunkTiming`. `serial`: each chunk
+    decoded after its DiT, never beside the next one's (the baseline of the decode worker)."""
 
-    def __init__(self, skip: bool = False):
+    def __init__(self, skip: bool = False, serial: bool = False):
         self.skip, self.settings, self.need, self.fit, self.timings = skip, None, None, None, []
+        self.serial = serial
 
     @contextlib.contextmanager
     def patched(self):
         memory, fit, run_chunks = fast_run.fast_memory, fast_run.fast_fit_issue, fast_run.run_chunks
+        check = fast_run.check_devices
 
         def fast_memory(*args, **kwargs):
             need = memory(*args, **kwargs)
@@ -246,17 +254,22 @@ class FastProbe:
             }
             return None if self.skip else issue
 
-        def chunks(session, cameras, decoder, on_chunk):
+        def chunks(session, cameras, decoder, on_chunk, *decode_on):
             def record(latent, frames, timing):
                 self.timings.append(timing)
                 on_chunk(latent, frames, timing)
 
-            return run_chunks(session, cameras, decoder, record)
+            return run_chunks(session, cameras, decoder, record, *decode_on)
 
         with (
             mock.patch.object(fast_run, "fast_memory", fast_memory),
             mock.patch.object(fast_run, "fast_fit_issue", fast_fit_issue),
             mock.patch.object(fast_run, "run_chunks", chunks),
+            mock.patch.object(
+                fast_run,
+                "check_devices",
+                lambda *a, **k: check(*a, **k, **({"overlap": False} if self.serial else {})),
+            ),
         ):
             yield self
 
@@ -287,7 +300,7 @@ class FastProbe:
             return None if m is None or not p else round(m / p, 3)
 
         steady = self.timings[1:] or self.timings  # the first chunk makes 13 frames, later ones 16
-        seconds = sum(t.denoise_s + t.decode_s for t in steady)
+        seconds = sum(t.seconds for t in steady)  # overlapped (--decode_device): the slower of the two
         fps = sum(t.frames for t in steady) / seconds if seconds else None
         chunks_s = by_phase.get("chunks", {}).get("seconds")
         return {
@@ -323,6 +336,7 @@ class FastProbe:
                     "frames": t.frames,
                     "fps": round(t.fps, 2),
                     "kv_cache_gib": gib(t.kv_cache_bytes),
+                    "overlap": t.overlap,  # decoded beside the next chunk's denoise
                 }
                 for t in self.timings
             ],
@@ -373,6 +387,11 @@ def main() -> int:
         "--skip-fit-check",
         action="store_true",
         help="fast: run even where the planner would refuse the run (its verdict is still recorded)",
+    )
+    ap.add_argument(
+        "--serial-decode",
+        action="store_true",
+        help="fast: decode each chunk after its DiT, never beside the next one's (the decode worker's baseline)",
     )
     ap.add_argument(
         "--extra", default="", help="more CLI arguments, e.g. '--cache easycache', '--kv_dtype fp8'"
@@ -443,7 +462,7 @@ def main() -> int:
     ]
     if cuda:
         set_vram_cap(torch.device("cuda"), args.vram_cap_gib)
-    probe = FastProbe(args.skip_fit_check) if fast else None
+    probe = FastProbe(args.skip_fit_check, args.serial_decode) if fast else None
     stderr = Tee(sys.stderr)
     t0 = time.perf_counter()
     with (

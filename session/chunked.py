@@ -104,7 +104,9 @@ def check_fit(*args, **kwargs) -> None:
 class Chunks:
     """What a chunked run makes and where: `frames` video frames at `size` from `image` (the first frame),
     with `config`, the next camera per chunk from `cameras`, on `device`, phases timed by `hooks`, each chunk
-    handed to on_chunk(latent, video or None, ChunkTiming)."""
+    handed to on_chunk(latent, video or None, ChunkTiming). The VAE (the first-frame encode, each chunk's
+    decode) runs on `decode_device` (None: `device`); `overlap`: each chunk decodes in a decode worker while
+    the next one is denoised (`fast_run.run_chunks`), on_chunk then called in the worker's thread."""
 
     image: object
     size: tuple
@@ -114,6 +116,12 @@ class Chunks:
     device: object
     hooks: object
     on_chunk: Callable
+    decode_device: object = None
+    overlap: bool = False
+
+    @property
+    def vae_device(self):
+        return self.device if self.decode_device is None else self.decode_device
 
 
 def run(load_model: Callable, encode: Callable, context, job: Chunks, decoding=None, ranks: int = 1):
@@ -127,7 +135,7 @@ def run(load_model: Callable, encode: Callable, context, job: Chunks, decoding=N
     y = None
     if encode is not None:
         with phase("vae_encode"):
-            y = fast_run.condition(job.image, encode, frames, size, device)
+            y = fast_run.condition(job.image, encode, frames, size, job.vae_device).to(device)
     if ranks > 1:
         (y,) = distributed.broadcast_tensors(None if y is None else [y], device)
     with phase("load_model"):
@@ -139,7 +147,8 @@ def run(load_model: Callable, encode: Callable, context, job: Chunks, decoding=N
     del y
     try:
         with phase("chunks"), decoding or contextlib.nullcontext() as decoder:
-            made = fast_run.run_chunks(session, job.cameras, decoder, job.on_chunk)
+            decode_on = job.vae_device if job.overlap else None
+            made = fast_run.run_chunks(session, job.cameras, decoder, job.on_chunk, decode_on)
         return (session.latent() if made else None), made
     finally:
         session.close()
@@ -163,8 +172,9 @@ def run_files(
     """A run from the model's files (the CLI's): the prompt's embeddings, the VAE, then `run` with the model
     streamed in (quantized if asked, `swap` blocks in host RAM) and each chunk decoded with `tile` (the
     decoder in `decode_dtype`, None: the exact one); the latent also saved for ComfyUI's Load Latent node
-    (`save_latent`). Under sequence parallel (`ranks` > 1) rank 0 alone encodes the text and the first frame
-    (the others receive them), decodes and saves. Returns `run`'s (latent or None, chunks made)."""
+    (`save_latent`); the VAE on `job.vae_device`. Under sequence parallel (`ranks` > 1) rank 0 alone encodes
+    the text and the first frame (the others receive them), decodes and saves. Returns `run`'s (latent or None,
+    chunks made)."""
     lead, device = distributed.rank() == 0, job.device
     with job.hooks.in_phase("text_encode"):
         context = None
@@ -178,7 +188,7 @@ def run_files(
     vae = None
     if lead:
         with job.hooks.in_phase("load_vae"):
-            vae = load_vae(files.vae, device)
+            vae = load_vae(files.vae, job.vae_device)
     model = fast_run.FastModel(files, device, quantize=quantize or None, swap_blocks=swap)
     levers = decoder_levers(decode_dtype, job.config.compile)  # --compile compiles the fast decoder too
     try:

@@ -4,6 +4,7 @@ Fast model's residency, steering keys and the chunk loop that decodes and hands 
 The CLI's `fast` command and the ComfyUI Fast nodes both run `wan.fast.FastSession` through here.
 """
 
+import contextlib
 import functools
 import math
 import sys
@@ -34,6 +35,7 @@ from ..wan.fast import (
 from ..wan.fast_camera import parse_keys_line, pose_camera
 from ..wan.fp8 import fp8_layer
 from ..wan.pipeline import frames_to_uint8
+from .decode_worker import DecodeWorker, hand_over, same_device
 from .planner import (
     DECODE_MIN_TILE,
     ENCODE_RAM_BASE,
@@ -290,11 +292,17 @@ class ChunkTiming:
     denoise_s: float  # 4 steps + the commit pass
     decode_s: float
     kv_cache_bytes: int
+    overlap: bool = False  # decoded beside the next chunk's denoise (a decode worker)
+
+    @property
+    def seconds(self) -> float:
+        """The chunk's wall time: its denoise and its decode, or the slower of them when they overlap."""
+        return max(self.denoise_s, self.decode_s) if self.overlap else self.denoise_s + self.decode_s
 
     @property
     def fps(self) -> float:
         """Video frames produced per second of wall time for this chunk (real time: 16)."""
-        return self.frames / max(self.denoise_s + self.decode_s, 1e-9)
+        return self.frames / max(self.seconds, 1e-9)
 
     def line(self) -> str:
         head = f"chunk {self.index + 1}/{self.chunks}: denoise {self.denoise_s * 1e3:.0f} ms"
@@ -313,28 +321,76 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_chunks(session: FastSession, cameras: Iterable, decoder, on_chunk: Callable) -> int:
+def _sync_stream(device: torch.device) -> None:
+    """Until this thread's current stream is done (not the other thread's, which `_sync` would wait for)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def run_chunks(session: FastSession, cameras: Iterable, decoder, on_chunk: Callable, decode_on=None) -> int:
     """Generate chunk after chunk, each with the next camera from `cameras` (running out ends the clip
     early), decode it at once with `decoder` (a `WanVAE.chunk_decoder()`, or None to skip decoding) and
-    call on_chunk(latent [16, chunk, h, w], video [3, F, H, W] or None, ChunkTiming). Returns the chunks made."""
+    call on_chunk(latent [16, chunk, h, w], video [3, F, H, W] or None, ChunkTiming). Returns the chunks made.
+    `decode_on`: the decoder's device, where a `DecodeWorker` decodes each chunk and calls on_chunk (in its
+    thread, in order) while the next chunk is denoised (with compiled blocks one chunk at a time until they
+    have traced: `compile_warm_chunks`); its exception is raised here, after it has stopped."""
     device = session.device
-    for k, cam in zip(range(session.num_chunks), cameras, strict=False):
-        t0 = time.perf_counter()
-        latent = session.next_chunk(cam)
-        _sync(device)
-        t1 = time.perf_counter()
-        video = None
-        if decoder is not None:
-            video = decoder.decode(latent)
+    worker = None
+    if decoder is not None and decode_on is not None:
+        decode_on = torch.device(decode_on)
+        worker = DecodeWorker(decode_on, functools.partial(_decode_chunk, decoder, on_chunk))
+    warm = compile_warm_chunks(session.config, session.num_chunks)
+    try:
+        for k, cam in zip(range(session.num_chunks), cameras, strict=False):
+            t0 = time.perf_counter()
+            latent = session.next_chunk(cam)
+            if worker is not None:
+                _sync_stream(device)
+                timing = ChunkTiming(
+                    k,
+                    session.num_chunks,
+                    0,
+                    time.perf_counter() - t0,
+                    0.0,
+                    session.kv_cache_bytes(),
+                    k >= warm,
+                )
+                latent, ready = hand_over(latent, decode_on)
+                worker.submit((latent, timing), ready)  # waits while the previous chunk is in the decoder
+                if k < warm:
+                    worker.wait()
+                continue
             _sync(device)
-        t2 = time.perf_counter()
-        frames = 0 if video is None else video.shape[1]
-        on_chunk(
-            latent,
-            video,
-            ChunkTiming(k, session.num_chunks, frames, t1 - t0, t2 - t1, session.kv_cache_bytes()),
-        )
+            t1 = time.perf_counter()
+            video = None
+            if decoder is not None:
+                video = decoder.decode(latent)
+                _sync(device)
+            t2 = time.perf_counter()
+            frames = 0 if video is None else video.shape[1]
+            on_chunk(
+                latent,
+                video,
+                ChunkTiming(k, session.num_chunks, frames, t1 - t0, t2 - t1, session.kv_cache_bytes()),
+            )
+    except BaseException:
+        if worker is not None:
+            with contextlib.suppress(Exception):  # the error that stopped the loop is the one to tell
+                worker.close()
+        raise
+    if worker is not None:
+        worker.close()
     return session.done
+
+
+def _decode_chunk(decoder, on_chunk: Callable, job: tuple) -> None:
+    """A decode worker's part of a chunk (`run_chunks`): decode it, time it, hand it to on_chunk."""
+    latent, timing = job
+    t0 = time.perf_counter()
+    video = decoder.decode(latent)
+    _sync_stream(latent.device)
+    timing = replace(timing, frames=video.shape[1], decode_s=time.perf_counter() - t0)
+    on_chunk(latent, video, timing)
 
 
 class FrameSink:
@@ -575,3 +631,75 @@ def fast_fit_issue(
         + (f"; first-frame encode of {frames} frames {need.encode / gib:.1f}" if need.encode else "")
         + f") is more than the {free_vram / gib:.1f} GiB free{hint}"
     )
+
+
+def vae_where(apart: bool, overlap: bool) -> dict:
+    """`fast_memory`'s figure of the DiT's device (`decode`, `encode`, `overlap`): with the VAE there (the
+    first-frame encode and each chunk's decode, side by side with the next chunk's forward under `overlap`) or,
+    with the decode device `apart`, without it."""
+    return {"decode": not apart, "encode": not apart, "overlap": overlap and not apart}
+
+
+def check_devices(
+    files: FastFiles | ChunkedModel,
+    lat_shape: tuple,
+    config: FastConfig,
+    quantize: bool | None,
+    swap: int,
+    tile,
+    vae_dtype: str,
+    device: torch.device,
+    decode_device: torch.device,
+    free: Callable,
+    overlap: bool | None = None,
+    ranks: int = 1,
+) -> bool:
+    """The memory check of a chunked run that decodes each chunk (`play`, `fast`), before anything loads: the
+    DiT's `device`, with the VAE where `decode_device` is the same one (`vae_where`), and a `decode_device` of
+    its own with the VAE (`decode_fit_issue`); ValueError naming the device that would not fit. `free(device)`:
+    (free VRAM, available host RAM) as `planner.free_memory`. `overlap`: each chunk decodes beside the next
+    chunk's forward (a `DecodeWorker`); None: on with the decode device apart, on one GPU where the plan fits
+    both side by side (else one after the other), off on the CPU. Returns `overlap` as decided."""
+    apart = not same_device(device, decode_device)
+    auto = overlap is None and not apart and device.type == "cuda"
+    overlap = apart if overlap is None else overlap
+    if device.type == "cuda":
+        vram, ram = free(device)
+
+        def fit_issue(overlap: bool) -> str | None:
+            return fast_fit_issue(
+                files,
+                lat_shape,
+                config,
+                quantize,
+                swap,
+                vram,
+                tile,
+                free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
+                vae_dtype=vae_dtype,
+                ranks=ranks,
+                **vae_where(apart, overlap),
+            )
+
+        overlap = overlap or auto
+        issue = fit_issue(overlap)
+        if issue is not None and auto:
+            overlap = False  # one after the other
+            issue = fit_issue(overlap)
+        if issue is not None:
+            raise ValueError(f"memory on {device} (the DiT): {issue}" if apart else f"memory: {issue}")
+    if apart and decode_device.type == "cuda":
+        vram, _ = free(decode_device)
+        issue = decode_fit_issue(lat_shape, config.chunk_frames, tile, vae_dtype, vram)
+        if issue is not None:
+            raise ValueError(f"memory on {decode_device} (the decode device, where the VAE runs): {issue}")
+    return overlap
+
+
+def compile_warm_chunks(config: FastConfig, chunks: int) -> int:
+    """Chunks up to the first that rolls the attention window, where compiled blocks (`config.compile`) trace,
+    at most `chunks`; 0 without compile or a window. A compiled decoder must not run beside the tracing
+    DiT (nor trace beside the compiled one), so a decode worker takes these chunks one at a time."""
+    if not config.compile or config.local_attn_size == -1:
+        return 0
+    return min(config.local_attn_size // config.chunk_frames + 1, chunks)

@@ -63,7 +63,8 @@ from ..wan.pipeline import frames_to_uint8
 from ..wan.vae import ChunkDecoder, decode_dtype, decoder_levers
 from . import distributed, fast_run
 from .controls import ChunkCamera, Controls
-from .planner import GIB, PROCESS_RAM, free_memory
+from .decode_worker import DecodeWorker, hand_over, same_device
+from .planner import GIB, free_memory
 
 PLAY_WINDOW = (18, 6)  # (window, sink) for a model documented with an unbounded cache (v1 Fast)
 CONDITION_FRAMES = 32  # latent frames of the i2v condition encoded exactly (125 video frames)
@@ -86,86 +87,20 @@ def rollout_latent_frames(chunk: int) -> int:
     return ROPE_FRAMES - ROPE_FRAMES % chunk
 
 
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """`cuda` is `cuda:0` here (the CLI's devices are not moved off it)."""
-    return a.type == b.type and (a.index or 0) == (b.index or 0)
-
-
 def percentile(values, q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
 
 
 @dataclass(frozen=True)
 class DecodeJob:
-    """A chunk for the decode worker: its latent on the decode device (ready once `ready` has passed)."""
+    """A chunk for the decode worker: its latent on the decode device (`decode_worker.hand_over`)."""
 
     decoder: ChunkDecoder
     latent: torch.Tensor  # [16, n, h, w]
-    ready: object  # a torch.cuda.Event recorded after the latent's copy, or None on the CPU
     rollout: int
     first_latent: int  # the latent frame of the rollout its first one is
     poses: list
     keys: dict  # latent frame of the rollout -> arrival times of the events that landed in it
-
-
-class DecodeWorker:
-    """One thread that runs `work(job)` for each submitted job in order, under no_grad and, on a GPU, on its own
-    CUDA stream. `submit` waits until the previous job is done, so at most one is in hand; an exception in a
-    job is raised by the next `submit`, `wait` or `close`."""
-
-    def __init__(self, device: torch.device, work: Callable[[DecodeJob], None]):
-        self.work = work
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._cond = threading.Condition()
-        self._job = self._error = None
-        self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="lingbot-play-decode", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._job is None and not self._closing:
-                    self._cond.wait()
-                job = self._job
-            if job is None:
-                return
-            try:
-                stream = (
-                    torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-                )
-                with stream, torch.no_grad():
-                    self.work(job)
-            except BaseException as err:  # raised in the caller's thread
-                self._error = err
-            with self._cond:
-                self._job = None
-                self._cond.notify_all()
-
-    def wait(self) -> None:
-        """Until the job in hand is done; raises its exception."""
-        with self._cond:
-            while self._job is not None:
-                self._cond.wait()
-            err, self._error = self._error, None
-        if err is not None:
-            raise err
-
-    def submit(self, job: DecodeJob) -> None:
-        self.wait()
-        if not self._thread.is_alive():
-            raise RuntimeError("the decode worker has stopped")
-        with self._cond:
-            self._job = job
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Finish the job in hand, stop the thread (raises the job's exception)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self._thread.join()
-        self.wait()
 
 
 class PlaySession:
@@ -286,15 +221,6 @@ class PlaySession:
         """Latent frames the memory plan counts: the condition's, or the window's if longer (caches)."""
         return max(self.condition_frames, self.config.local_attn_size)
 
-    def _vae_where(self) -> dict:
-        """`fast_memory`'s figure of the DiT's device: with the VAE there (encode and decode, side by side with
-        the forward under `overlap`) or not."""
-        return {
-            "decode": not self.apart,
-            "encode": not self.apart,
-            "overlap": self.overlap and not self.apart,
-        }
-
     def memory(self, image: torch.Tensor) -> fast_run.FastMemory:
         """The predicted memory of the DiT's device (the condition's encode of `condition_frames` latent frames;
         the caches at the window); `decode_memory` gives the decode device's when it is another."""
@@ -307,7 +233,7 @@ class PlaySession:
             self.swap,
             self.tile,
             self.vae_dtype,
-            **self._vae_where(),
+            **fast_run.vae_where(self.apart, self.overlap),
             ranks=self.ranks,
         )
 
@@ -320,45 +246,23 @@ class PlaySession:
         return fast_run.decode_memory(shape, self.chunk, self.tile, self.vae_dtype)
 
     def check_memory(self, image: torch.Tensor) -> None:
-        """ValueError naming the device and what would fit when the planner's figure is more than it has free."""
+        """ValueError naming the device and what would fit when the planner's figure is more than it has free;
+        `overlap` left to the plan is decided here (`fast_run.check_devices`)."""
         _, lat_h, lat_w = self.lat_shape(image)
-        shape = (self._plan_frames(), lat_h, lat_w)
-        if self.device.type == "cuda":
-            vram, ram = free_memory(self.device)
-
-            def fit_issue():
-                return fast_run.fast_fit_issue(
-                    self.files,
-                    shape,
-                    self.config,
-                    self.quantize,
-                    self.swap,
-                    vram,
-                    self.tile,
-                    free_ram=None if ram is None else ram + PROCESS_RAM,  # this process's share is counted
-                    vae_dtype=self.vae_dtype,
-                    ranks=self.ranks,
-                    **self._vae_where(),
-                )
-
-            auto = self._overlap_auto and not self.apart  # overlap on one GPU where both fit side by side
-            if auto:
-                self.overlap = True
-            issue = fit_issue()
-            if issue is not None and auto:
-                self.overlap = False  # else one after the other
-                issue = fit_issue()
-            if issue is not None:
-                raise ValueError(
-                    f"memory on {self.device} (the DiT): {issue}" if self.apart else f"memory: {issue}"
-                )
-        if self.apart and self.decode_device.type == "cuda":
-            vram, _ = free_memory(self.decode_device)
-            issue = fast_run.decode_fit_issue(shape, self.chunk, self.tile, self.vae_dtype, vram)
-            if issue is not None:
-                raise ValueError(
-                    f"memory on {self.decode_device} (the decode device, where the VAE runs): {issue}"
-                )
+        self.overlap = fast_run.check_devices(
+            self.files,
+            (self._plan_frames(), lat_h, lat_w),
+            self.config,
+            self.quantize,
+            self.swap,
+            self.tile,
+            self.vae_dtype,
+            self.device,
+            self.decode_device,
+            free_memory,
+            None if self._overlap_auto else self.overlap,
+            self.ranks,
+        )
 
     def _context(self, prompt: str) -> torch.Tensor:
         if prompt not in self._contexts:
@@ -406,11 +310,9 @@ class PlaySession:
     def warm_chunks(self) -> int:
         """Chunks `start` plays unseen first with compiled blocks: they compile at the first chunk that rolls
         the attention window, which would otherwise freeze the picture mid-play."""
-        if not self.config.compile or self._warmed:
+        if self._warmed:
             return 0
-        return min(
-            self.config.local_attn_size // self.chunk + 1, rollout_latent_frames(self.chunk) // self.chunk
-        )
+        return fast_run.compile_warm_chunks(self.config, rollout_latent_frames(self.chunk) // self.chunk)
 
     def _warm_up(self, context, y) -> None:
         # one chunk at a time: the decode worker must not run a compiled decoder while the DiT traces
@@ -513,14 +415,10 @@ class PlaySession:
         if self.ranks > 1:
             self._order(cam, changed)
         self._mid_chunk = True
-        latent = self._session.next_chunk(cam).to(self.decode_device)
+        latent, ready = hand_over(self._session.next_chunk(cam), self.decode_device)
         self._mid_chunk = False
-        ready = None
-        if self.decode_device.type == "cuda":  # the worker's stream starts after the DiT's work and the copy
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.decode_device))
-        job = DecodeJob(self._decoder, latent, ready, self.rollouts - 1, first_latent, poses, keys)
-        self._worker.submit(job)  # waits while the previous chunk is in the decoder
+        job = DecodeJob(self._decoder, latent, self.rollouts - 1, first_latent, poses, keys)
+        self._worker.submit(job, ready)  # waits while the previous chunk is in the decoder
         count = VAE_STRIDE[0] * latent.shape[1] - (VAE_STRIDE[0] - 1) * (first_latent == 0)
         made, self._decoding = self._decoding, count  # with overlap: the previous chunk's frames
         if not self.overlap:
@@ -532,8 +430,6 @@ class PlaySession:
 
     def _decode(self, job: DecodeJob) -> None:
         """The worker's part of a chunk: decode it latent frame by latent frame and hand each frame out."""
-        if job.ready is not None:
-            job.ready.synchronize()
         t0 = self.clock()
         for i in range(job.latent.shape[1]):
             video = job.decoder.decode(job.latent[:, i : i + 1])

@@ -197,7 +197,9 @@ def test_bench_pipeline_fast(tmp_path, model, pyav):
 
 def test_bench_pipeline_fast_probe_fit_check(tmp_path, monkeypatch):
     """What only the GPU run exercises, on the CPU: the probe records the CLI's fit check, and with
-    --skip-fit-check lets a run the planner refuses go on; the real functions are back afterwards."""
+    --skip-fit-check lets a run the planner refuses go on, --serial-decode keeps the decode off the next
+    chunk's DiT; the real functions are back afterwards."""
+    import torch
     from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
     from lingbot_world.session import fast_run
 
@@ -208,6 +210,7 @@ def test_bench_pipeline_fast_probe_fit_check(tmp_path, monkeypatch):
     files = resolve_fast_dir(ckpt, "v2-1.3b", assets)
     config = fast_run.fast_config(None, 0, None, None, "bf16", files.kind)
     real = fast_run.fast_memory, fast_run.fast_fit_issue, fast_run.run_chunks
+    real_check = fast_run.check_devices
     lat = (28, 6, 14)
     for skip in (False, True):
         probe = bench_pipeline.FastProbe(skip)
@@ -221,6 +224,12 @@ def test_bench_pipeline_fast_probe_fit_check(tmp_path, monkeypatch):
         assert probe.fit["free_vram_gib"] == round(need.peak // 2 / 2**30, 3)
         assert issue == (None if skip else said)
         assert probe.summary(None)["chunk_timings"] == [] and probe.summary(None)["steady_fps"] is None
+    # --serial-decode: the CLI's one-GPU plan that fits the decode beside the next chunk's DiT is not taken
+    plan = (files, lat, config, None, 0, None, "fp32", torch.device("cuda:0"), torch.device("cuda:0"))
+    assert fast_run.check_devices(*plan, lambda device: (1 << 50, None)) is True
+    with bench_pipeline.FastProbe(serial=True).patched():
+        assert fast_run.check_devices(*plan, lambda device: (1 << 50, None)) is False
+    assert fast_run.check_devices is real_check
 
 
 def test_bench_t5(tmp_path):

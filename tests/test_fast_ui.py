@@ -5,6 +5,7 @@ import functools
 import io
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -428,3 +429,181 @@ def test_fast_node_fit_check_names_the_widgets_that_fit(fast_ckpt, tmp_path, fak
     assert nodes.fast.fit_issue(model, shape, config, 1).endswith(
         "fewer frames or a smaller max_area (or width/height)"
     )
+
+
+# ------------------------------------------------------------------------- the decode worker (--decode_device)
+
+
+def decode_threads() -> list:
+    return [t for t in threading.enumerate() if t.name == "lingbot-decode" and t.is_alive()]
+
+
+@pytest.fixture
+def chunks_seen(monkeypatch):
+    """Every chunk the run hands on: (latent, video, ChunkTiming, the thread that handed it on)."""
+    seen, real = [], fast_run.run_chunks
+
+    def run_chunks(session, cameras, decoder, on_chunk, *decode_on):
+        def record(latent, video, timing):
+            seen.append((latent.clone(), video.clone(), timing, threading.current_thread().name))
+            on_chunk(latent, video, timing)
+
+        return real(session, cameras, decoder, record, *decode_on)
+
+    monkeypatch.setattr(fast_run, "run_chunks", run_chunks)
+    return seen
+
+
+def ask_for_overlap(monkeypatch) -> None:
+    """On the CPU no memory plan turns the overlap on: the run asks for it (as play's tests pass overlap=True)."""
+    real = fast_run.check_devices
+    monkeypatch.setattr(fast_run, "check_devices", lambda *a, **k: real(*a, **{**k, "overlap": True}))
+
+
+@pytest.fixture
+def overlap_asked(monkeypatch):
+    ask_for_overlap(monkeypatch)
+
+
+def test_fast_decode_worker_writes_the_serial_frames(
+    fast_ckpt, shipped_example, tmp_path, capsys, offline, chunks_seen, monkeypatch
+):
+    """The decode in the worker (its own thread, beside the next chunk's DiT) hands on the serial decode's
+    chunks, frames and MP4; with every option off (the CPU's default) the chunks are decoded in the run's
+    thread, their frames the whole latent's exact decode."""
+    runs = {}
+    for name, extra in (("serial", []), ("worker", ["--decode_device", "cpu"])):
+        if name == "worker":
+            ask_for_overlap(monkeypatch)
+        out = tmp_path / f"{name}.mp4"
+        chunks_seen.clear()
+        assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--frame_num", "33", *extra)) == 0
+        runs[name] = list(chunks_seen), read_mp4_info(out), capsys.readouterr().out
+    (serial, serial_mp4, serial_out), (worker, worker_mp4, worker_out) = runs["serial"], runs["worker"]
+    assert serial_mp4 == worker_mp4 and serial_mp4["frames"] == 33
+    assert [v.shape[1] for _, v, _, _ in worker] == [9, 12, 12]
+    for (lat_a, video_a, t_a, _), (lat_b, video_b, t_b, _) in zip(serial, worker, strict=True):
+        assert torch.equal(lat_a, lat_b) and torch.equal(video_a, video_b) and t_a.frames == t_b.frames
+    assert {thread for *_, thread in serial} == {"MainThread"} and not any(t.overlap for _, _, t, _ in serial)
+    assert {thread for *_, thread in worker} == {"lingbot-decode"} and all(t.overlap for _, _, t, _ in worker)
+    assert "each chunk decodes while the next one is made" in worker_out
+    assert "each chunk decodes while" not in serial_out and "chunk 3/3: denoise" in worker_out
+    assert not decode_threads()
+    whole = torch.cat([lat for lat, *_ in serial], dim=1)
+    assert torch.equal(torch.cat([v for _, v, _, _ in serial], dim=1), offline.vae.decode(whole))
+
+
+def test_fast_decode_worker_error_stops_the_run(
+    fast_ckpt, shipped_example, tmp_path, capsys, chunks_seen, overlap_asked, monkeypatch
+):
+    """An error in the decode worker (the second chunk's frames cannot be written) is the run's one error:
+    exit 2 with one line, the DiT at most one chunk ahead, no MP4 and no decode thread left."""
+    real_add = fast_run.FrameSink.add
+
+    def add(self, video):
+        if self.count:
+            raise OSError(28, "No space left on device")
+        real_add(self, video)
+
+    monkeypatch.setattr(fast_run.FrameSink, "add", add)
+    made = []
+    real_next = fast_run.FastSession.next_chunk
+
+    def next_chunk(self, cam=None):
+        made.append(self.done)
+        return real_next(self, cam)
+
+    monkeypatch.setattr(fast_run.FastSession, "next_chunk", next_chunk)
+    out = tmp_path / "never.mp4"
+    args = fast_args(fast_ckpt, shipped_example, out, "--frame_num", "45", "--decode_device", "cpu")
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and len(err.strip().splitlines()) == 1, err
+    assert (
+        made == [0, 1, 2] and len(chunks_seen) == 2
+    )  # of 4 chunks: chunk 2's hand-over raised chunk 1's error
+    assert not out.exists() and not list(tmp_path.glob(".*partial*")) and not decode_threads()
+
+
+def test_fast_plans_the_decode_device_apart(
+    fast_ckpt, shipped_example, tmp_path, capsys, nothing_loads, monkeypatch
+):
+    """--decode_device on another GPU: the DiT's device is planned without the VAE, the decode device with it
+    (`fast_run.check_devices`, play's check); a refusal names the device that would not fit, before anything
+    loads. Without it the first-frame encode and the decode count on the DiT's GPU."""
+    from lingbot_world.session import planner
+
+    monkeypatch.setattr(cli, "resolve_device", lambda text, flag="--device": torch.device(text))
+    free = {}
+    monkeypatch.setattr(planner, "free_memory", lambda device: (free[torch.device(device).index], None))
+    out = tmp_path / "never.mp4"
+    base = ["--device", "cuda:0", "--frame_num", "21", "--vae_tile", "none"]
+
+    def refusal(*extra):
+        assert cli.main(fast_args(fast_ckpt, shipped_example, out, *base, *extra)) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and not out.exists(), err
+        return err
+
+    free.update({0: 1 << 40, 1: 1})
+    err = refusal("--decode_device", "cuda:1")
+    assert "error: memory on cuda:1 (the decode device, where the VAE runs): predicted peak" in err
+    free.update({0: 1, 1: 1 << 40})
+    err = refusal("--decode_device", "cuda:1")
+    assert "error: memory on cuda:0 (the DiT): predicted peak" in err and "first-frame encode" not in err
+    err = refusal()  # the VAE on the DiT's GPU
+    assert "error: memory: predicted peak" in err and "first-frame encode of 21 frames" in err
+
+    # the figures: the decode device holds the VAE and a chunk's decode or the encode; the DiT's does not
+    files = resolve_fast_dir(fast_ckpt)
+    config = fast_run.fast_config(None, 0, None, None, "bf16", files.kind)
+    shape, dit, vae = (6, 6, 14), torch.device("cuda:0"), torch.device("cuda:1")
+    need = fast_run.fast_memory(files, shape, config, None, 0, None, **fast_run.vae_where(True, True))
+    decode = fast_run.decode_memory(shape, config.chunk_frames)
+    assert need.encode == need.work_decode == 0 and decode > 0
+    check = functools.partial(fast_run.check_devices, files, shape, config, None, 0, None, "fp32", dit, vae)
+    free.update({0: need.peak, 1: decode})
+    assert check(planner.free_memory) is True  # apart: the decode overlaps the next chunk
+    free[1] = decode - 1
+    with pytest.raises(ValueError, match=r"^memory on cuda:1 \(the decode device"):
+        check(planner.free_memory)
+    free.update({0: need.peak - 1, 1: decode})
+    with pytest.raises(ValueError, match=r"^memory on cuda:0 \(the DiT\)"):
+        check(planner.free_memory)
+
+
+def test_fast_decode_worker_takes_the_compile_warm_up_one_chunk_at_a_time():
+    """With compiled blocks the DiT traces at the first chunk that rolls the window (v1 Fast, window 6: chunk
+    2); a compiled decoder must not run beside that trace, so the worker decodes chunks 0..2 before the next
+    chunk starts, and only later chunks beside the next one's DiT."""
+    config = fast_run.fast_config(None, 0, 6, 0, "bf16", compile=True)
+    assert fast_run.compile_warm_chunks(config, 5) == 3 and fast_run.compile_warm_chunks(config, 2) == 2
+    assert fast_run.compile_warm_chunks(fast_run.fast_config(None, 0, -1, 0, "bf16", compile=True), 5) == 0
+    started = [threading.Event() for _ in range(6)]  # chunk k's DiT has started
+    beside = {}  # chunk k's decode: whether chunk k + 1's DiT ran beside it
+
+    class Session:
+        device, num_chunks, done = torch.device("cpu"), 5, 0
+
+        def __init__(self):
+            self.config = config
+
+        def next_chunk(self, cam):
+            started[self.done].set()
+            self.done += 1
+            return torch.full((16, 3, 2, 2), float(self.done - 1))
+
+        def kv_cache_bytes(self):
+            return 0
+
+    class Decoder:
+        def decode(self, latent):
+            k = int(latent[0, 0, 0, 0])
+            beside[k] = started[k + 1].wait(600 if k == 3 else 0)
+            return torch.zeros(3, 12, 16, 16)
+
+    seen = []
+    made = fast_run.run_chunks(Session(), iter([None] * 5), Decoder(), lambda *a: seen.append(a[2]), "cpu")
+    assert made == 5 and [t.index for t in seen] == list(range(5)) and not decode_threads()
+    assert beside == {0: False, 1: False, 2: False, 3: True, 4: False}
+    assert [t.overlap for t in seen] == [False, False, False, True, True]

@@ -159,7 +159,7 @@ def play_script(fast_ckpt, image, **kw):
 
 
 def decode_threads() -> list:
-    return [t for t in threading.enumerate() if t.name == "lingbot-play-decode" and t.is_alive()]
+    return [t for t in threading.enumerate() if t.name == "lingbot-decode" and t.is_alive()]
 
 
 def test_play_decode_worker_hands_out_the_serial_frames(fast_ckpt, image):

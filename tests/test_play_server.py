@@ -140,13 +140,24 @@ def test_busy_port_is_refused_before_loading(fast_ckpt, shipped_example, busy_po
         ("gpu:1", "--decode_device: expected cpu, cuda or cuda:N, got 'gpu:1'"),
     ],
 )
+@pytest.mark.parametrize("command", ["play", "fast"])
 def test_bad_decode_device_is_refused_before_loading(
-    fast_ckpt, shipped_example, device, message, capsys, nothing_loads
+    fast_ckpt, shipped_example, tmp_path, command, device, message, capsys, nothing_loads
 ):
-    assert cli.main(play_args(fast_ckpt, shipped_example, "--decode_device", device, "--port", "0")) == 2
+    out = tmp_path / "never.mp4"
+    args = ["--decode_device", device] + (["--port", "0"] if command == "play" else [])
+    if command == "play":
+        argv = play_args(fast_ckpt, shipped_example, *args)
+    else:
+        argv = fast_args(fast_ckpt, shipped_example, out, *args)
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("--decode_device") == 1 + err.count("or use --decode_device")
-    assert "Traceback" not in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, "--help"])
+    assert done.value.code == 0
+    assert "--decode_device DECODE_DEVICE" in capsys.readouterr().out
 
 
 def test_other_host_warns_loudly(fast_ckpt, shipped_example, capsys, nothing_loads):

@@ -1,0 +1,88 @@
+"""The decode worker of the chunked runs (`play`, `fast`): a chunk's VAE decode in a thread of its own, on its own
+CUDA stream, while the caller's thread runs the next chunk's DiT; on the DiT's GPU or on another device."""
+
+import contextlib
+import threading
+from collections.abc import Callable
+
+import torch
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """`cuda` is `cuda:0` here (the CLI's devices are not moved off it)."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
+
+
+def hand_over(tensor: torch.Tensor, device: torch.device) -> tuple:
+    """(`tensor` on the decode `device`, the event `DecodeWorker.submit` waits for before the worker reads it: a
+    torch.cuda.Event recorded after the copy, None on the CPU)."""
+    tensor = tensor.to(device)
+    ready = None
+    if device.type == "cuda":  # the worker's stream starts after the caller's work and the copy
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+    return tensor, ready
+
+
+class DecodeWorker:
+    """One thread that runs `work(job)` for each submitted job in order, under no_grad and, on a GPU, on its own
+    CUDA stream. `submit` waits until the previous job is done, so at most one is in hand; an exception in a
+    job is raised by the next `submit`, `wait` or `close`."""
+
+    def __init__(self, device: torch.device, work: Callable[[object], None]):
+        self.work = work
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cond = threading.Condition()
+        self._job = self._error = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="lingbot-decode", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._job is None and not self._closing:
+                    self._cond.wait()
+                job = self._job
+            if job is None:
+                return
+            job, ready = job
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                stream = (
+                    torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+                )
+                with stream, torch.no_grad():
+                    self.work(job)
+            except BaseException as err:  # raised in the caller's thread
+                self._error = err
+            with self._cond:
+                self._job = None
+                self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until the job in hand is done; raises its exception."""
+        with self._cond:
+            while self._job is not None:
+                self._cond.wait()
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def submit(self, job, ready=None) -> None:
+        """`ready`: `hand_over`'s event for the job's tensor (None: nothing to wait for)."""
+        self.wait()
+        if not self._thread.is_alive():
+            raise RuntimeError("the decode worker has stopped")
+        with self._cond:
+            self._job = job, ready
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish the job in hand, stop the thread (raises the job's exception)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.wait()

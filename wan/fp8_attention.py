@@ -14,6 +14,7 @@ on other devices the op computes `reference`, the same arithmetic in plain torch
 `attention_problem` refuses the option off CUDA, so no user run takes that path).
 """
 
+import atexit
 import functools
 import importlib
 import math
@@ -113,7 +114,14 @@ class _Kernels:
         self.graphs: dict[tuple, object] = {}
         self.p_scales: dict[int, tuple] = {}  # (descale, scale) of the probabilities, fp32 [1, 1, 1, 1]
 
+    def clear(self) -> None:
+        with self.lock:
+            self.graphs.clear()
+            self.handles.clear()
+
     def handle(self, cudnn, index: int):
+        if not self.handles:  # runs before the frontend's own exit hook (registered at its import): nothing
+            atexit.register(self.clear)  # of ours is left for its bindings to report as leaked at shutdown
         if index not in self.handles:
             with torch.cuda.device(index):
                 self.handles[index] = cudnn.create_handle()

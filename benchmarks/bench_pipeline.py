@@ -224,14 +224,14 @@ class Tee:
 
 class FastProbe:
     """What `lingbot.py fast` planned and did, recorded around the fast_run functions it calls: the run's
-    memory prediction (the first `fast_memory` call: the run's own settings, before the fit check tries
-    others), the fit check's verdict (the CLI checks on CUDA only; `skip` lets the run go on where the
+    memory prediction (the CLI's own `fast_memory` call; where the memory check refuses the run first, that
+    check's first call: the run's own settings, before it tries others), the fit check's verdict (the CLI checks on CUDA only; `skip` lets the run go on where the
     planner would refuse it, to measure it anyway) and every chunk's `ChunkTiming`. `serial`: each chunk
     decoded after its DiT, never beside the next one's (the baseline of the decode worker)."""
 
     def __init__(self, skip: bool = False, serial: bool = False):
         self.skip, self.settings, self.need, self.fit, self.timings = skip, None, None, None, []
-        self.serial = serial
+        self.serial, self.files, self.from_cli = serial, None, False
 
     @contextlib.contextmanager
     def patched(self):
@@ -240,8 +240,12 @@ class FastProbe:
 
         def fast_memory(*args, **kwargs):
             need = memory(*args, **kwargs)
-            if self.need is None:
-                self.settings, self.need = inspect.signature(memory).bind(*args, **kwargs).arguments, need
+            settings = inspect.signature(memory).bind(*args, **kwargs).arguments
+            # the CLI's own figure for the run (its files, the overlap as decided) once it comes; until then the
+            # memory check's first (the planner's view of the model, for the run's settings)
+            if self.need is None or (isinstance(settings["files"], FC.FastFiles) and not self.from_cli):
+                self.settings, self.need = settings, need
+                self.from_cli = isinstance(settings["files"], FC.FastFiles)
             return need
 
         def fast_fit_issue(*args, **kwargs):
@@ -254,6 +258,10 @@ class FastProbe:
             }
             return None if self.skip else issue
 
+        def check_devices(files, *args, **kwargs):
+            self.files = files  # the CLI's FastFiles (the memory check's calls see a ChunkedModel)
+            return check(files, *args, **kwargs, **({"overlap": False} if self.serial else {}))
+
         def chunks(session, cameras, decoder, on_chunk, *decode_on):
             def record(latent, frames, timing):
                 self.timings.append(timing)
@@ -265,11 +273,7 @@ class FastProbe:
             mock.patch.object(fast_run, "fast_memory", fast_memory),
             mock.patch.object(fast_run, "fast_fit_issue", fast_fit_issue),
             mock.patch.object(fast_run, "run_chunks", chunks),
-            mock.patch.object(
-                fast_run,
-                "check_devices",
-                lambda *a, **k: check(*a, **k, **({"overlap": False} if self.serial else {})),
-            ),
+            mock.patch.object(fast_run, "check_devices", check_devices),
         ):
             yield self
 
@@ -278,7 +282,7 @@ class FastProbe:
         predicts; host RAM: anonymous RSS), and the chunks' times and frame rates."""
         if self.settings is None:  # refused before the plan: bad input
             return {"predicted": None}
-        files, config, need = self.settings["files"], self.settings["config"], self.need
+        files, config, need = self.files or self.settings["files"], self.settings["config"], self.need
         lat_f, lat_h, lat_w = self.settings["lat_shape"]
         by_phase = {p["phase"]: p for p in phases or []}
 

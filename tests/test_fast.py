@@ -92,7 +92,7 @@ def fill(cache, start, n, value_offset=0):
 
 def test_cache_roll_keeps_sink_and_newest():
     # one token per frame: local 6 frames with a 3-frame sink, chunks of 3
-    cache = SelfKVCache(1, 6, 1, 1, 3, torch.float32, torch.float32, "cpu")
+    cache = SelfKVCache(1, 6, 1, 1, 3, torch.float32, "cpu")
     for c in range(4):
         k, v = fill(cache, 3 * c, 3)
         cache.advance(3 * c, 3)
@@ -100,7 +100,7 @@ def test_cache_roll_keeps_sink_and_newest():
     assert cache.k[0].flatten().tolist() == [0, 1, 2, 9, 10, 11]
     assert k.flatten().tolist() == [0, 1, 2, 9, 10, 11]
     # a window that keeps part of the rolled past: local 7, sink 3
-    cache = SelfKVCache(1, 7, 1, 1, 3, torch.float32, torch.float32, "cpu")
+    cache = SelfKVCache(1, 7, 1, 1, 3, torch.float32, "cpu")
     seen = []
     for c in range(4):
         fill(cache, 3 * c, 3)
@@ -114,7 +114,7 @@ def test_cache_roll_keeps_sink_and_newest():
     assert seen[2] == [0.5, 1.5, 2.5, 5.5, 6.5, 7.5, 8.5]
     assert seen[3] == [0.5, 1.5, 2.5, 8.5, 9.5, 10.5, 11.5]
     # unbounded: nothing moves, queries read only the written part
-    cache = SelfKVCache(1, 9, 1, 1, 0, torch.float32, torch.float32, "cpu")
+    cache = SelfKVCache(1, 9, 1, 1, 0, torch.float32, "cpu")
     k, _ = fill(cache, 0, 3)
     assert k.shape[0] == 3
 

@@ -2,6 +2,8 @@
 CUDA) against exact attention, compile tracing through the op, the chunk loop taking the backend from its
 config, and the refusal where cuDNN's fp8 attention cannot run (here: the CPU), in the CLI and the nodes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import (
@@ -41,6 +43,9 @@ def test_quantize_one_scale_per_tensor():
     assert ((back - t).abs() <= t.abs() * 2**-4 + scale * 2**-9).all()  # 3 mantissa bits (subnormals: 2^-9)
     zero_codes, zero_scale = fp8_attention.quantize(torch.zeros(4, 1, 16))
     assert zero_scale.item() > 0 and not zero_codes.float().any()
+    stored = t.to(torch.float8_e4m3fn)  # an fp8 K/V cache's keys: their own codes at scale 1
+    same, one = fp8_attention.quantize(stored)
+    assert same.data_ptr() == stored.data_ptr() and one.tolist() == [1.0]
 
 
 @pytest.fixture
@@ -103,7 +108,7 @@ def test_fp8_op_traces_into_one_graph(fp8_everywhere):
     assert torch.ops.lingbot.fp8_attention.default in ops or torch.ops.lingbot.fp8_attention in ops
 
 
-def test_chunk_loop_takes_the_backend_from_its_config(fp8_everywhere):
+def test_chunk_loop_takes_the_backend_from_its_config(fp8_everywhere, monkeypatch):
     model = tiny_fast_model()
     y, ctx, cam = tiny_fast_inputs()
     lat = (9, 4, 6)
@@ -118,6 +123,21 @@ def test_chunk_loop_takes_the_backend_from_its_config(fp8_everywhere):
     rel = ((got - want).norm() / want.norm()).item()
     assert 0 < rel < 0.3
     assert attention.active() is attention.sdpa  # the session's backend does not leak out of its forwards
+
+    # an fp8 K/V cache: SDPA casts what the cache hands over; fp8 attention takes the stored codes as they are
+    kv8 = FastConfig(kv_dtype=torch.float8_e4m3fn)
+    exact_kv8 = chunks(kv8)
+    assert 0 < ((exact_kv8 - want).norm() / want.norm()) < 0.3
+    scales, reference = [], fp8_attention.reference
+    monkeypatch.setattr(
+        fp8_attention, "reference", lambda q, k, v, *s: scales.append(s) or reference(q, k, v, *s)
+    )
+    got_kv8 = chunks(replace(kv8, attention="fp8"))
+    assert 0 < ((got_kv8 - exact_kv8).norm() / exact_kv8.norm()) < 0.3
+    self_calls = [s for s in scales if s[0].numel() == 1 and s[1].item() == 1.0 and s[2].item() == 1.0]
+    assert len(self_calls) == 3 * 5 * len(
+        model.blocks
+    )  # every self-attention read the cache's codes as stored
     with pytest.raises(ValueError, match=r"attention: expected one of .*'fp8'.*got 'fp9'"):
         FastConfig(attention="fp9").validate()
 

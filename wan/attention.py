@@ -1,7 +1,8 @@
 """Attention backends for the DiT: one registry, one active backend at a time.
 
-Every backend takes q, k, v as [L, heads, head_dim] (k and v may have another length than q) plus the
-compute dtype, and returns [L_q, heads, head_dim] in that dtype.
+Every backend takes q, k, v as [L, heads, head_dim] (k and v may have another length than q, and another
+dtype: an fp8 K/V cache hands its e4m3 values over as stored) plus the compute dtype, casts them to it (or, the
+fp8 backend, takes e4m3 as it is) and returns [L_q, heads, head_dim] in that dtype.
 
 - ``sdpa`` (default): PyTorch's scaled_dot_product_attention, the code path the model always had.
 - ``sage``: SageAttention's quantized kernel (needs the ``sageattention`` package and a CUDA device).

@@ -193,13 +193,14 @@ class SelfKVCache:
     cache. `begin(start, n)` places a chunk whose clip tokens start at `start`, once per chunk (the same
     placement for every layer and forward: a new chunk that overflows rolls the cache first);
     `write(layer, k, v)` then stores a layer's keys in the chunk's slots and returns what its queries
-    attend to, cache[:end], in `compute_dtype`. The placement is plain integers, fixed per chunk and the
+    attend to, cache[:end], as stored (an fp8 cache's e4m3 values: the attention backend casts them to the
+    compute dtype, or takes them as they are, `--attention fp8`). The placement is plain integers, fixed per chunk and the
     same for every chunk once the window is full: a compiled block sees constants, no host sync.
     """
 
-    def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, compute_dtype, device):
+    def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, device):
         self.size, self.sink = tokens, sink_tokens
-        self.dtype, self.compute_dtype = dtype, compute_dtype
+        self.dtype = dtype
         shape = (tokens, heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -248,14 +249,11 @@ class SelfKVCache:
 
     def store(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write a chunk's keys and values into one layer's cache at `span`; returns what its queries attend to,
-        the cache up to the chunk's end, in `compute_dtype`."""
+        the cache up to the chunk's end, in the cache's dtype."""
         a, b = self.span
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache[a:b] = self._store(new)
-        k_att, v_att = k_cache[:b], v_cache[:b]
-        if self.dtype != self.compute_dtype:
-            k_att, v_att = k_att.to(self.compute_dtype), v_att.to(self.compute_dtype)
-        return k_att, v_att
+        return k_cache[:b], v_cache[:b]
 
     def advance(self, start: int, n: int) -> None:
         _, self.local_end = self.placement(start, n)
@@ -393,7 +391,6 @@ class FastSession:
             blk.head_dim,
             config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
             config.kv_dtype or dtype,
-            dtype,
             self.device,
         )
         self._kv = ChunkCausal(self._cache, len(model.blocks))

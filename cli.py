@@ -1369,32 +1369,10 @@ def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
         )
     lat_shape, apart = (lat_f, lat_h, lat_w), not fast_run.same_device(device, vae_device)
     # on each GPU: the overlap of a chunk's decode and the next chunk's DiT decided where it is left to the plan
-    overlap = fast_run.check_devices(
-        files,
-        lat_shape,
-        config,
-        quantize,
-        swap,
-        tile,
-        args.vae_dtype,
-        device,
-        vae_device,
-        memplan.free_memory,
-        ranks=ranks,
-    )
+    plan = (files, lat_shape, config, quantize, swap, tile, args.vae_dtype)  # the planner's view of the run
+    overlap = fast_run.check_devices(*plan, device, vae_device, memplan.free_memory, ranks=ranks)
     free = generate.machine_memory(device)  # (None, None) off CUDA
-    need = fast_run.fast_memory(
-        files,
-        lat_shape,
-        config,
-        quantize,
-        swap,
-        tile,
-        args.vae_dtype,
-        ranks=ranks,
-        budget=free[0],
-        **fast_run.vae_where(apart, overlap),
-    )
+    need = fast_run.fast_memory(*plan, ranks=ranks, budget=free[0], **fast_run.vae_where(apart, overlap))
     if lead:
         decoding = ""
         if apart:

@@ -221,42 +221,31 @@ class PlaySession:
         """Latent frames the memory plan counts: the condition's, or the window's if longer (caches)."""
         return max(self.condition_frames, self.config.local_attn_size)
 
+    def _plan(self, image: torch.Tensor) -> tuple:
+        """The planner's view of the session: files, latent shape (the condition's encode of `condition_frames`
+        latent frames; the caches at the window), config, quantize, swap, tile, VAE dtype."""
+        _, lat_h, lat_w = self.lat_shape(image)
+        shape = (self._plan_frames(), lat_h, lat_w)
+        return self.files, shape, self.config, self.quantize, self.swap, self.tile, self.vae_dtype
+
     def memory(self, image: torch.Tensor) -> fast_run.FastMemory:
-        """The predicted memory of the DiT's device (the condition's encode of `condition_frames` latent frames;
-        the caches at the window); `decode_memory` gives the decode device's when it is another."""
-        lat_f, lat_h, lat_w = self.lat_shape(image)
+        """The predicted memory of the DiT's device; `decode_memory` gives the decode device's when it is
+        another."""
         return fast_run.fast_memory(
-            self.files,
-            (self._plan_frames(), lat_h, lat_w),
-            self.config,
-            self.quantize,
-            self.swap,
-            self.tile,
-            self.vae_dtype,
-            **fast_run.vae_where(self.apart, self.overlap),
-            ranks=self.ranks,
+            *self._plan(image), **fast_run.vae_where(self.apart, self.overlap), ranks=self.ranks
         )
 
     def decode_memory(self, image: torch.Tensor) -> int | None:
         """The decode device's predicted peak (bytes), None when it is the DiT's (counted in `memory`)."""
         if not self.apart:
             return None
-        _, lat_h, lat_w = self.lat_shape(image)
-        shape = (self._plan_frames(), lat_h, lat_w)
-        return fast_run.decode_memory(shape, self.chunk, self.tile, self.vae_dtype)
+        return fast_run.decode_memory(self._plan(image)[1], self.chunk, self.tile, self.vae_dtype)
 
     def check_memory(self, image: torch.Tensor) -> None:
         """ValueError naming the device and what would fit when the planner's figure is more than it has free;
         `overlap` left to the plan is decided here (`fast_run.check_devices`)."""
-        _, lat_h, lat_w = self.lat_shape(image)
         self.overlap = fast_run.check_devices(
-            self.files,
-            (self._plan_frames(), lat_h, lat_w),
-            self.config,
-            self.quantize,
-            self.swap,
-            self.tile,
-            self.vae_dtype,
+            *self._plan(image),
             self.device,
             self.decode_device,
             free_memory,

@@ -93,13 +93,6 @@ def fit_issue(
     return re.sub(r"--(\w+)", lambda m: names.get(m[1], m[1]), issue)
 
 
-def check_fit(*args, **kwargs) -> None:
-    """`fit_issue`'s arguments; a run that does not fit raises ValueError('memory: ...')."""
-    issue = fit_issue(*args, **kwargs)
-    if issue is not None:
-        raise ValueError(f"memory: {issue}")
-
-
 @dataclasses.dataclass
 class Chunks:
     """What a chunked run makes and where: `frames` video frames at `size` from `image` (the first frame),

@@ -539,7 +539,7 @@ def first_frame_encode(lat_shape: tuple, tile, budget: int | None) -> int:
 def decode_memory(
     lat_shape: tuple, chunk: int, tile=None, vae_dtype: str = "fp32", budget: int | None = None
 ) -> int:
-    """Peak VRAM of a decode device of its own (play's --decode_device): the first-frame encode, then the VAE's
+    """Peak VRAM of a decode device of its own (`--decode_device` of play and fast): the first-frame encode, then the VAE's
     weights and a chunk's decode in the decoder's dtype (`vae_dtype`); `tile`, `budget` as `fast_memory`'s."""
     _, lat_h, lat_w = lat_shape
     fixed = tile if isinstance(tile, tuple) else None

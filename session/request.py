@@ -262,7 +262,8 @@ def plan_request(
             compile=bool(speed.compile),
             swap_blocks=swap_blocks,
             ulysses_size=ulysses_size,
-            lean_activations=speed.lean_activations,
+            # 'auto' never picks the lean blocks under fp8 attention (their plan has no room for its copies)
+            lean_activations=False if speed.attention == "fp8" else speed.lean_activations,
         )
         memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
         if swap_blocks == "auto" and memory.free_vram is not None:  # the least swapping that fits

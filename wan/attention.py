@@ -111,9 +111,21 @@ def resolve(name: str) -> Backend:
 
 
 def problem(name: str, device) -> str | None:
-    """Why backend `name` cannot run on `device` (None: it can, or only running it will tell)."""
-    if _BACKENDS.get(name) is fp8:
+    """Why backend `name` cannot run on `device` (None: it can, or only running it will tell), naming the
+    fallback."""
+    backend = _BACKENDS.get(name)
+    if backend is fp8:
         return fp8_attention.attention_problem(device)
+    if backend is sage:
+        try:
+            _sageattn()
+        except RuntimeError as err:
+            return f"{err}. Instead: {fp8_attention.FALLBACK}"
+        if torch.device(device).type != "cuda":
+            return (
+                f"attention 'sage' runs SageAttention's CUDA kernels; this run is on {torch.device(device).type}. "
+                f"Instead: {fp8_attention.FALLBACK}"
+            )
     return None
 
 

@@ -194,7 +194,7 @@ class SelfKVCache:
     placement for every layer and forward: a new chunk that overflows rolls the cache first);
     `write(layer, k, v)` then stores a layer's keys in the chunk's slots and returns what its queries
     attend to, cache[:end], as stored (an fp8 cache's e4m3 values: the attention backend casts them to the
-    compute dtype, or takes them as they are, `--attention fp8`). The placement is plain integers, fixed per chunk and the
+    compute dtype, or the fp8 backend takes them as they are). The placement is plain integers, fixed per chunk and the
     same for every chunk once the window is full: a compiled block sees constants, no host sync.
     """
 

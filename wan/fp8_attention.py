@@ -3,8 +3,10 @@
 q, k and v are quantized to float8 e4m3 with one scale per tensor (amax / 448, computed on the device: no host
 sync, fused into the block's graph when it is compiled). The kernel computes q·kᵀ from the fp8 codes and the
 softmax in fp32, rounds the probabilities to e4m3 (scaled by 448: before normalization they lie in [0, 1]) for
-the product with v, and writes the output in e4m3 as well (on Hopper, cuDNN's kernel writes fp8 only) at v's
-scale: each output row is a convex combination of v's rows, so |o| <= max|v| and v's scale never overflows.
+the product with v, and writes the output in e4m3 as well (on Hopper, cuDNN's kernel writes fp8 only) at the
+scale of max|v| / 448: each output row is a convex combination of v's rows, so |o| <= max|v| never overflows.
+An fp8 K/V cache hands its e4m3 keys and values over as stored (scale 1, no pass over the window); the output's
+scale is then taken from the stored values' amax, so small values keep their precision.
 The output is then brought back to the compute dtype. Lossy: the probabilities and the output keep 3 mantissa
 bits; the benchmark reports the deviation.
 
@@ -33,19 +35,26 @@ MIN_KEYS = 2048
 PACKAGE = "nvidia-cudnn-frontend"
 
 
+def amax_scale(t: torch.Tensor) -> torch.Tensor:
+    """fp32 [1]: max|t| / 448, the scale that maps t's largest magnitude to e4m3's largest value."""
+    src = t.detach().float() if t.dtype == FP8 else t.detach()  # no amax kernel for e4m3
+    return (src.abs().amax().float().clamp_min(_TINY) / FP8_MAX).reshape(1)
+
+
 def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 codes, fp32 [1] scale) of `t` with one scale for the whole tensor: t ~= codes * scale. An e4m3
     tensor (an fp8 K/V cache's keys) is its own codes at scale 1: no pass over it."""
     if t.dtype == FP8:
         return t.contiguous(), torch.ones(1, device=t.device)
-    scale = (t.detach().abs().amax().float().clamp_min(_TINY) / FP8_MAX).reshape(1)
-    codes = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
+    scale = amax_scale(t)
+    work = t.to(torch.float32, copy=True)  # the one fp32 copy (eager), divided and clamped in place
+    codes = work.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
     return codes, scale
 
 
-def reference(q, k, v, q_scale, k_scale, v_scale) -> torch.Tensor:
+def reference(q, k, v, q_scale, k_scale, v_scale, o_scale) -> torch.Tensor:
     """The kernel's arithmetic in plain torch: [L, heads, d] e4m3 codes and their fp32 [1] scales in, the
-    output's e4m3 codes at v's scale out ([Lq, heads, d]). One head at a time (a score matrix in fp32)."""
+    output's e4m3 codes at `o_scale` out ([Lq, heads, d]). One head at a time (a score matrix in fp32)."""
     d = q.shape[-1]
     out = torch.empty(q.shape, dtype=FP8, device=q.device)
     for h in range(q.shape[1]):
@@ -54,7 +63,7 @@ def reference(q, k, v, q_scale, k_scale, v_scale) -> torch.Tensor:
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))  # in [0, 1], as the kernel holds them
         p8 = (p * P_SCALE).to(FP8).float() / P_SCALE
         o = (p8 @ vh) / p.sum(dim=-1, keepdim=True)
-        out[:, h] = (o / v_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        out[:, h] = (o / o_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return out
 
 
@@ -65,12 +74,14 @@ def _kernel(
     q_scale: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    o_scale: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of e4m3 q over e4m3 k/v ([L, heads, d], one fp32 [1] scale each); the output's e4m3 codes at
-    v's scale. cuDNN on CUDA, `reference` elsewhere."""
+    `o_scale`. cuDNN on CUDA, `reference` elsewhere."""
     if q.device.type == "cuda":
-        return _cudnn_attention(q, k, v, q_scale, k_scale, v_scale)
-    return reference(q, k, v, q_scale, k_scale, v_scale)
+        with torch.cuda.device(q.device):  # the handle, graph and launch on q's GPU, whichever is current
+            return _cudnn_attention(q, k, v, q_scale, k_scale, v_scale, o_scale)
+    return reference(q, k, v, q_scale, k_scale, v_scale, o_scale)
 
 
 def _register() -> None:
@@ -79,7 +90,7 @@ def _register() -> None:
         torch.ops.lingbot.fp8_attention  # noqa: B018
     except (AttributeError, RuntimeError):
         op = torch.library.custom_op("lingbot::fp8_attention", _kernel, mutates_args=())
-        op.register_fake(lambda q, k, v, q_scale, k_scale, v_scale: torch.empty_like(q))
+        op.register_fake(lambda q, k, v, *scales: torch.empty_like(q))
 
 
 _register()
@@ -89,8 +100,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dt
     """The `wan.attention` backend: [L, heads, d] in (any float dtype, fp8 K/V caches included), [Lq, heads,
     d] out in `dtype`."""
     (q8, qs), (k8, ks), (v8, vs) = (quantize(t) for t in (q, k, v))
-    out = torch.ops.lingbot.fp8_attention(q8, k8, v8, qs, ks, vs)
-    return (out.float() * vs).to(dtype)
+    out_scale = vs if v.dtype != FP8 else amax_scale(v8)  # max|v| / 448 either way
+    out = torch.ops.lingbot.fp8_attention(q8, k8, v8, qs, ks, vs, out_scale)
+    return (out.float() * out_scale).to(dtype)
 
 
 # --- cuDNN ---------------------------------------------------------------------------------------------
@@ -185,7 +197,7 @@ def _build(cudnn, handle, heads: int, lq: int, lk: int, d: int):
     return g
 
 
-def _cudnn_attention(q, k, v, q_scale, k_scale, v_scale) -> torch.Tensor:
+def _cudnn_attention(q, k, v, q_scale, k_scale, v_scale, o_scale) -> torch.Tensor:
     cudnn = _frontend()
     q, k, v = (t.contiguous() for t in (q, k, v))
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
@@ -211,7 +223,7 @@ def _cudnn_attention(q, k, v, q_scale, k_scale, v_scale) -> torch.Tensor:
         _DV: s(v_scale),
         _DS: p_descale,
         _SS: p_scale,
-        _SO: s(1.0 / v_scale),  # the output at v's scale (see the module docstring)
+        _SO: s(1.0 / o_scale),
     }
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=q.device)
     graph.execute(pack, workspace, handle=handle)

@@ -69,6 +69,11 @@ class SpeedOptions:
             raise ValueError(
                 "lean_activations: the lean blocks do not run compiled; turn off compile or lean_activations"
             )
+        if self.attention == "fp8" and self.lean_activations is True:
+            raise ValueError(
+                "lean_activations: the lean blocks' memory plan has no room for fp8 attention's quantized q/k/v "
+                "copies; turn off lean_activations or use attention sdpa"
+            )
         for name in ("cache_keep_first", "cache_keep_last"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -14,14 +14,14 @@ from ..loaders.formats import DIFFUSERS_SINGLE, NF4_PT, NF4_WEIGHTS, ExpertSourc
 from ..session import chunked, fast_run
 from ..session import planner as memplan
 from ..session.request import RequestError, check_text_dim, plan_size
-from ..wan import attention, i2v
+from ..wan import i2v
 from ..wan.config import CHUNKED_KINDS, ChunkedKind
 from ..wan.fast import fast_frame_num, fast_latent_frames
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, MODELS_KIND, ExpertsHandle, _default, resolve_model
 from .sampler import frame_inputs, image_to_input
-from .speed import SPEED, SpeedOptions, check_speed_input
+from .speed import SPEED, SpeedOptions, check_chunked_speed
 from .text import TEXT, conditioning_to_context
 from .vae import sampler_vae
 
@@ -327,13 +327,7 @@ class LingBotFastSampler:
         speed=None,
     ):
         speed = speed or SpeedOptions()
-        if speed.cache is not None or speed.lean_activations is True:
-            raise ValueError(
-                "speed: the Fast sampler takes attention, compile and fp8_linears from LingBot Speed; turn off "
-                "step_cache and lean_activations there (they are the base-cam sampler's)"
-            )
-        attention.resolve(speed.attention)  # a missing backend's package is named before any work
-        check_speed_input(speed, memory.torch_device())
+        check_chunked_speed(speed, memory.torch_device(), "the Fast sampler")
         if (text is None) == (positive is None):
             raise ValueError(
                 "text: connect LingBot Text Encode to 'text' or a CLIP Text Encode to 'positive' (one)"

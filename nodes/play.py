@@ -14,6 +14,7 @@ from . import memory
 from .fast import FAST, KIND_SINK, KIND_WINDOW
 from .models import CATEGORY
 from .sampler import image_to_input
+from .speed import SPEED, SpeedOptions, check_chunked_speed
 from .text import TEXT, conditioning_to_context
 from .vae import VAEHandle
 
@@ -25,9 +26,9 @@ ACTIVE: dict = {}  # "hub": the PlayServer of the running node
 class NodePlaySession(PlaySession):
     """A PlaySession whose DiT, VAE and text come from ComfyUI's links (and its model management)."""
 
-    def __init__(self, handle, vae: VAEHandle, context: torch.Tensor, device, **kw):
+    def __init__(self, handle, vae: VAEHandle, context: torch.Tensor, device, fp8: bool = False, **kw):
         super().__init__(handle, device, **kw)
-        self.handle, self.vae_handle, self.context = handle, vae, context
+        self.handle, self.vae_handle, self.context, self.fp8 = handle, vae, context, fp8
 
     def check_memory(self, image) -> None:  # ComfyUI makes room as each model loads
         return None
@@ -46,7 +47,7 @@ class NodePlaySession(PlaySession):
         return model.to(self.device)
 
     def _load_dit(self):
-        return self.handle.model(self.device, 0)
+        return self.handle.model(self.device, 0, self.fp8)
 
     def _release(self) -> None:
         self.vae_handle.model.to("cpu")
@@ -147,6 +148,13 @@ class LingBotPlay:
                     "CONDITIONING",
                     {"tooltip": "Instead of text: CLIP Text Encode with a wan CLIP."},
                 ),
+                "speed": (
+                    SPEED,
+                    {
+                        "tooltip": "From LingBot Speed: its attention, compile (the chunks up to the window's "
+                        "first roll play unseen first, while the blocks compile) and fp8_linears."
+                    },
+                ),
             },
         }
 
@@ -155,9 +163,24 @@ class LingBotPlay:
         return float("nan")  # interactive: never answered from ComfyUI's cache
 
     def play(
-        self, model, vae, image, max_area, seed, mode, local_attn_size, sink_size, text=None, positive=None
+        self,
+        model,
+        vae,
+        image,
+        max_area,
+        seed,
+        mode,
+        local_attn_size,
+        sink_size,
+        text=None,
+        positive=None,
+        speed=None,
     ):
         from ..wan import i2v
+
+        speed = speed or SpeedOptions()
+        device = memory.torch_device()
+        check_chunked_speed(speed, device, "Play")
 
         if (text is None) == (positive is None):
             raise ValueError(
@@ -167,7 +190,6 @@ class LingBotPlay:
             raise ValueError("vae: play decodes latent frame by latent frame; connect a LingBot VAE Loader")
         context = text.context if text is not None else conditioning_to_context(positive, "positive")
         img = image_to_input(image)
-        device = memory.torch_device()
         window = None if local_attn_size == KIND_WINDOW else local_attn_size
         sink = None if sink_size == KIND_SINK else sink_size
         session = NodePlaySession(
@@ -175,7 +197,10 @@ class LingBotPlay:
             vae,
             context,
             device,
+            fp8=speed.fp8,
             seed=seed,
+            compile=speed.compile,
+            attention=speed.attention,
             local_attn_size=window,
             sink_size=sink,
             mode=mode,

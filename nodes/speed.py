@@ -29,6 +29,19 @@ def check_speed_input(speed: SpeedOptions | None, device) -> None:
         raise ValueError(f"speed attention: {problem}".replace("use --attention sdpa", "pick sdpa"))
 
 
+def check_chunked_speed(speed: SpeedOptions, device, node: str) -> None:
+    """LingBot Speed wired into a chunked node (the Fast sampler, Play): attention, compile and fp8_linears
+    apply; the base-cam sampler's step cache and lean blocks are refused; a choice that cannot run on `device`
+    is named before any work."""
+    if speed.cache is not None or speed.lean_activations is True:
+        raise ValueError(
+            f"speed: {node} takes attention, compile and fp8_linears from LingBot Speed; turn off "
+            "step_cache and lean_activations there (they are the base-cam sampler's)"
+        )
+    attention.resolve(speed.attention)  # a missing backend's package is named before any work
+    check_speed_input(speed, device)
+
+
 def check_fp8_input(device) -> None:
     """LingBot Speed's fp8_linears on a device without fp8 tensor cores: one clear error before any load."""
     problem = fp8_problem(device)

@@ -587,9 +587,9 @@ def test_native_conditioning_refuses_a_bad_length_at_queue_time(server):
     ), reply
 
 
-def play_prompt(server, seed: int = 3) -> dict:
+def play_prompt(server, seed: int = 3, speed: str | None = None) -> dict:
     """The chunked workflow with its sampler replaced by LingBot-World Play (same model, VAE, image and text)
-    and its frames saved as images."""
+    and its frames saved as images; `speed`: a LingBot Speed node with that attention wired in."""
     api = ui_to_api(json.loads(CHUNKED_WORKFLOW.read_text()), server.object_info)
     ids = {n["class_type"]: k for k, n in api.items()}
     sampler = api[ids["LingBotFastSampler"]]["inputs"]
@@ -610,6 +610,19 @@ def play_prompt(server, seed: int = 3) -> dict:
         "class_type": "SaveImage",
         "inputs": {"images": ["20", 0], "filename_prefix": "lingbot_test/play"},
     }
+    if speed is not None:  # LingBot Speed's attention wired into Play
+        api["22"] = {
+            "class_type": "LingBotSpeed",
+            "inputs": {
+                "attention": speed,
+                "compile": False,
+                "step_cache": "none",
+                "cache_threshold": 0.05,
+                "cache_keep_first": 7,
+                "cache_keep_last": 1,
+            },
+        }
+        api["20"]["inputs"]["speed"] = ["22", 0]
     return api
 
 
@@ -655,7 +668,7 @@ def test_play_node_streams_and_returns_the_clip(server):
     frames in order, its W key moves the camera, Stop ends the prompt with every played frame saved."""
     page = urllib.request.urlopen(server.url + "/extensions/" + PACK_FOLDER + "/play.js", timeout=30).read()
     assert b"lingbot.play" in page  # the panel is served from the pack's WEB_DIRECTORY
-    prompt_id = server.queue_prompt(play_prompt(server))
+    prompt_id = server.queue_prompt(play_prompt(server, speed="comfy"))  # ComfyUI's own attention, via Speed
     hello, frames, texts = asyncio.run(play_client(server.url, 21))
     assert hello["role"] == "control" and hello["mode"] == "hold"
     assert [f[0] for f in frames] == list(range(21))

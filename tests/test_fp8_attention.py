@@ -206,3 +206,11 @@ def test_speed_node_fp8_attention_refused_in_both_samplers(
     (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
     with pytest.raises(ValueError, match="speed attention: attention 'fp8' runs cuDNN"):
         fast_sample(nodes, model, vae, image, text=text, speed=speed)
+    # Play takes LingBot Speed too: the same refusal before anything starts, and the base-cam-only options
+    assert nodes.LingBotPlay.INPUT_TYPES()["optional"]["speed"][0] == "LINGBOT_SPEED"
+    play = ("64*112", 3, "hold", -2, -1)
+    with pytest.raises(ValueError, match="speed attention: attention 'fp8' runs cuDNN"):
+        nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=speed)
+    (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
+    with pytest.raises(ValueError, match="speed: Play takes attention, compile and fp8_linears"):
+        nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=cached)

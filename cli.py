@@ -1319,6 +1319,14 @@ def check_heads(ranks: int, num_heads: int) -> None:
         raise ValueError(f"--{issue}")
 
 
+def chunked_ranks(args, files, command: str) -> int:
+    """The sequence-parallel ranks a chunked command (`fast`, `play`) asks for (--ulysses_size, or --parallel
+    auto: torchrun's world), checked against the model's heads before the process group starts."""
+    asked = int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size
+    check_heads(asked, files.config.num_heads)
+    return distributed.requested_size(args.ulysses_size, args.parallel, command)
+
+
 def run_fast(args) -> int:
     """`fast`; under torchrun with --ulysses_size N (or --parallel auto) every rank runs the chunk loop's
     forwards on its share of the tokens and rank 0 alone encodes the text and the first frame, decodes and
@@ -1326,11 +1334,7 @@ def run_fast(args) -> int:
     decode_device = resolve_decode_device(args)
     output = check_outputs(args, "lingbot_fast")
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
-    check_heads(
-        int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
-        files.config.num_heads,
-    )
-    ranks = distributed.requested_size(args.ulysses_size, args.parallel)
+    ranks = chunked_ranks(args, files, "fast")
     with distributed.process_group(ranks, str(resolve_device(args.device))) as device:
         return _run_fast(args, files, torch.device(device), ranks, output, decode_device)
 
@@ -1509,11 +1513,7 @@ def run_play(args) -> int:
     load_quantize(args, requested)  # --fp8 on a card without fp8 tensor cores: exit 2 here
     check_attention(args, requested)
     files = chunked.check_files(args.ckpt_dir, args.model, args.assets_dir)
-    check_heads(
-        int(os.environ.get("WORLD_SIZE", "1")) if args.parallel == "auto" else args.ulysses_size,
-        files.config.num_heads,
-    )
-    ranks = distributed.requested_size(args.ulysses_size, args.parallel, "play")
+    ranks = chunked_ranks(args, files, "play")
     with distributed.process_group(ranks, str(requested)) as device:
         return _run_play(args, files, torch.device(device), ranks, decode_device)
 

@@ -473,7 +473,7 @@ def test_a_degree_that_does_not_split_the_heads_exits_2_before_loading(
     assert "--ulysses_size 3 must divide the model's 2 attention heads (1, 2)" in err, err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
     assert cli.main(fast_args(repo14, shipped_example, out, "--ulysses_size", "2")) == 2  # not under torchrun
-    assert "torchrun --nproc_per_node 2" in capsys.readouterr().err
+    assert "torchrun --nproc_per_node 2 lingbot.py fast" in capsys.readouterr().err  # fast's own launch line
 
 
 @pytest.mark.slow

@@ -1145,8 +1145,11 @@ def add_parallel_args(p: argparse.ArgumentParser, command: str, heads: str) -> N
 
 
 CHUNK_COMPILE_HELP = (
-    "torch.compile the DiT blocks once the attention window is full (the chunks before it run eagerly; a "
-    "window that never fills never compiles); the first compiled chunk is slower while it compiles. With "
+    "torch.compile the DiT blocks once the attention window is full (the first compiled chunk is slower while it "
+    "compiles; a window that never fills never compiles); the chunks before it run eagerly, except in play, "
+    "which runs them from the second on through graphs whose key length is a symbol (its unseen warm-up "
+    "compiles both). On a "
+    "GPU each steady forward then replays one CUDA graph (the same kernels, without the host's launch work). With "
     "--vae_dtype bf16/fp16 the VAE decoder compiles too (during the first chunk), its upsamples as sub-pixel "
     "convs; the exact fp32 decoder never compiles"
 )

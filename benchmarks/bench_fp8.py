@@ -65,14 +65,16 @@ TIMED_CHUNKS = 3
 PLAY_WINDOW = (18, 6)  # v1 Fast documents an unbounded cache; it is timed as live play runs it
 # the paths a case runs (`--paths`): precision of the Linears, compiled or not, fp8 attention or SDPA's
 # (`_kv8`: the chunk loops' K/V cache in e4m3, handed to fp8 attention as stored; base-cam has no cache)
-PATHS = (
+PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes the model's Linears in place
     "bf16",
     "bf16_compiled",
+    "bf16_compiled_nograph",
     "bf16_compiled_fp8attn",
     "fp8",
     "fp8_compiled",
     "fp8_compiled_fp8attn",
     "fp8_compiled_fp8attn_kv8",
+    "fp8_compiled_fp8attn_kv8_nograph",
 )
 
 
@@ -82,6 +84,8 @@ def path_options(name: str) -> dict:
         "fp8": name.startswith("fp8"),
         "compile": "_compiled" in name,
         "attention": "fp8" if "_fp8attn" in name else "sdpa",
+        # `_nograph`: compiled blocks without the chunk loop's CUDA graph (`FastSession._graphed`); chunk loops only
+        "graphs": not name.endswith("_nograph"),
     }
 
 
@@ -264,7 +268,7 @@ def base_cam(args, device, rates) -> dict:
     exact = run_case(step, SpeedOptions(), 5.0, args.repeats)
     reference, flow_ref = exact.pop("latent"), flow()
     out["bf16_eager"] = exact
-    for path in (p for p in PATHS[1:] if not p.endswith("_kv8")):  # no K/V cache in a base-cam step
+    for path in (p for p in PATHS[1:] if not p.endswith(("_kv8", "_nograph"))):  # chunk-loop paths
         name = "fp8_eager" if path == "fp8" else path
         skip = path_skip(path, args, device, compile_issue)
         if skip:
@@ -365,7 +369,8 @@ def v2_case(kind_name, args, device, rates) -> dict:
             out[name] = {"skipped": skip}
             continue
         options = path_options(name)
-        compiled, kv = options["compile"], torch.float8_e4m3fn if name.endswith("_kv8") else config.kv_dtype
+        compiled = options["compile"]
+        kv = torch.float8_e4m3fn if "_kv8" in name else config.kv_dtype
         if options["fp8"] and not fp8.is_fp8(model.blocks[0].self_attn.q):
             out["fp8_layers"] = to_fp8_(model)
         timer = ChunkTimer(device)
@@ -373,6 +378,8 @@ def v2_case(kind_name, args, device, rates) -> dict:
             config, compile=compiled, attention=options["attention"], kv_dtype=kv
         )
         session = FastSession(model, context, y, lat_shape, run_config, device, timer)
+        session._graphs = session._graphs and options["graphs"]
+        out[name] = {"cuda_graph": session._graphs}
         times, steps, commits, xs = [], [], [], []
         for c in range(chunks):
             sync(device)
@@ -385,7 +392,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
             commits.append(commit_s)
         session.close()
         latents[name] = xs
-        out[name] = {
+        out[name] |= {
             "chunk_s": mean(times[warm:]),
             "steps_s": mean(steps[warm:]),
             "commit_s": mean(commits[warm:]),

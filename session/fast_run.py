@@ -28,6 +28,7 @@ from ..wan.fast import (
     LATENT_CHANNELS,
     FastConfig,
     FastSession,
+    cache_frames,
     fast_frame_num,
     fast_latent_frames,
     kv_cache_bytes_for,
@@ -46,6 +47,7 @@ from .planner import (
     encode_tile,
     encode_vram,
     expert_vram,
+    fp8_attention_vram,
     swap_host_ram,
 )
 
@@ -505,11 +507,17 @@ def fast_memory(
     frames, pixels = (lat_f - 1) * 4 + 1, lat_h * lat_w * 64
     tokens = chunk * lat_h * lat_w // (cfg.patch_size[1] * cfg.patch_size[2])
     model = expert_vram(m.nbytes, cfg.num_layers, swap)
-    fixed = tile if isinstance(tile, tuple) else None
-    decoding = decode_vram(chunk, lat_h, lat_w, fixed, chunked=True, vae_dtype=vae_dtype) if decode else 0
+    decoding = (
+        decode_vram(chunk, lat_h, lat_w, fixed_tile(tile), chunked=True, vae_dtype=vae_dtype) if decode else 0
+    )
     # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
     forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
+    if config.attention == "fp8":  # its copies of q (and of the window's k/v, unless the cache holds e4m3)
+        kv_tokens = tokens // chunk * cache_frames(lat_f, config)
+        forward += fp8_attention_vram(
+            tokens, kv_tokens, cfg.dim, ranks, config.kv_dtype == torch.float8_e4m3fn
+        )
     condition = (4 + LATENT_CHANNELS) * lat_f * lat_h * lat_w * 4
     encoding = first_frame_encode(lat_shape, tile, budget) if encode else 0
     encode_ram = ENCODE_RAM_BASE + ENCODE_RAM_PER_PIXEL_FRAME * pixels * frames
@@ -523,11 +531,16 @@ def fast_memory(
     return FastMemory(model, caches, forward, decoding, condition, encoding, ram, overlap and decode)
 
 
+def fixed_tile(tile) -> tuple | None:
+    """A `--vae_tile` setting's fixed tile (h, w), or None for 'auto' or whole frames."""
+    return tile if isinstance(tile, tuple) else None
+
+
 def first_frame_encode(lat_shape: tuple, tile, budget: int | None) -> int:
     """The first-frame encode's peak VRAM (`fast_memory`'s `encode`; `tile`, `budget` as its)."""
     lat_f, lat_h, lat_w = lat_shape
     frames = (lat_f - 1) * 4 + 1
-    fixed = tile if isinstance(tile, tuple) else None
+    fixed = fixed_tile(tile)
     # 'auto' tiles the encode to what is free when it runs (no model loaded yet): the tile it picks from
     # `budget`, or with none known its smallest tile
     enc_tile = (
@@ -542,8 +555,9 @@ def decode_memory(
     """Peak VRAM of a decode device of its own (`--decode_device` of play and fast): the first-frame encode, then the VAE's
     weights and a chunk's decode in the decoder's dtype (`vae_dtype`); `tile`, `budget` as `fast_memory`'s."""
     _, lat_h, lat_w = lat_shape
-    fixed = tile if isinstance(tile, tuple) else None
-    decoding = VAE_BASE + decode_vram(chunk, lat_h, lat_w, fixed, chunked=True, vae_dtype=vae_dtype)
+    decoding = VAE_BASE + decode_vram(
+        chunk, lat_h, lat_w, fixed_tile(tile), chunked=True, vae_dtype=vae_dtype
+    )
     return max(decoding, first_frame_encode(lat_shape, tile, budget))
 
 
@@ -697,9 +711,10 @@ def check_devices(
 
 
 def compile_warm_chunks(config: FastConfig, chunks: int) -> int:
-    """Chunks up to the first that rolls the attention window, where compiled blocks (`config.compile`) trace,
-    at most `chunks`; 0 without compile or a window. A compiled decoder must not run beside the tracing
-    DiT (nor trace beside the compiled one), so a decode worker takes these chunks one at a time."""
+    """Chunks up to the first that rolls the attention window, where compiled blocks (`config.compile`) trace (in
+    live play also the growing chunks', at the second chunk), at most `chunks`; 0 without compile or a window. A
+    compiled decoder must not run beside the tracing DiT (nor trace beside the compiled one), so a decode worker
+    takes these chunks one at a time."""
     if not config.compile or config.local_attn_size == -1:
         return 0
     return min(config.local_attn_size // config.chunk_frames + 1, chunks)

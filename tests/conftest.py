@@ -52,8 +52,8 @@ def nothing_loads(monkeypatch):
 
 @pytest.fixture
 def traced_chunk_blocks(monkeypatch):
-    """The chunk loop's compiled runner with a backend that records each graph and runs it as traced (no
-    inductor build); yields the graphs."""
+    """The chunk loop's compiled runners (fixed shapes, growing chunks) with a backend that records each graph and
+    runs it as traced (no inductor build); yields the graphs."""
     import torch
     from lingbot_world.wan import speed
 
@@ -68,6 +68,8 @@ def traced_chunk_blocks(monkeypatch):
     monkeypatch.setattr(speed, "compiler_missing", lambda device: None)
     runner = speed.CompiledBlocks(backend=backend, fn=speed.run_chunk_block)
     monkeypatch.setitem(speed._shared_runners, speed.run_chunk_block, runner)
+    growing = speed.CompiledBlocks(backend=backend, fn=speed.run_growing_chunk_block, dynamic=True)
+    monkeypatch.setitem(speed._shared_runners, speed.run_growing_chunk_block, growing)
     yield graphs
     torch._dynamo.reset()
 

@@ -7,7 +7,7 @@ import torch
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.session import chunked
-from lingbot_world.wan import speed
+from lingbot_world.wan import fast, speed
 from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.dit import WanModel, init_random_
 from lingbot_world.wan.fast import FastConfig, FastSession, generate_fast
@@ -69,12 +69,126 @@ def test_compiled_chunk_loop_traces_once_without_graph_breaks_and_equals_eager(t
     assert len(traced_chunk_blocks) == 2
 
 
+def test_live_play_compiles_its_growing_chunks_from_the_second(traced_chunk_blocks):
+    """A stream session (live play: every rollout starts with the growing chunks) runs them from chunk 1 through
+    the growing chunks' runner, whose two graphs take the cache's placement as symbols and serve every growing
+    chunk after; chunk 0 stays eager (its first slot, 0, would trace as a constant)."""
+    m = model()
+    y, ctx, cam = inputs()
+    want = FastSession(m, ctx, y, LAT, FastConfig(**WINDOW), "cpu", stream=True)
+    s = FastSession(m, ctx, y, LAT, FastConfig(**WINDOW, compile=True), "cpu", stream=True)
+    graphs_after = []
+    for k in range(5):
+        part = cam[:, :, 3 * k : 3 * k + 3]
+        a, b = s.next_chunk(part), want.next_chunk(part)
+        graphs_after.append(len(traced_chunk_blocks))
+        assert torch.equal(a, b) if k == 0 else torch.allclose(a, b, rtol=1e-5, atol=1e-5), k
+    assert graphs_after == [0, 2, 4, 4, 4]  # growing at chunk 1, fixed shapes at the roll (chunk 2)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    # a whole clip runs its growing chunks eagerly
+    assert FastSession(m, ctx, y, LAT, FastConfig(**WINDOW, compile=True), "cpu")._growing is None
+
+
 def test_compile_off_takes_no_runner_and_a_window_that_never_fills_runs_eagerly(traced_chunk_blocks):
     m = model()
     y, ctx, cam = inputs()
     assert FastSession(m, ctx, y, LAT, FastConfig(**WINDOW), "cpu")._runner is None
     generate_fast(m, ctx, y, cam, LAT, FastConfig(compile=True), "cpu")  # unbounded: never evicts
     assert traced_chunk_blocks == []
+
+
+FACTORIES = (torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.as_tensor)
+FACTORIES += (torch.randn, torch.rand, torch.linspace, torch.eye)
+
+
+class HostMade(torch.overrides.TorchFunctionMode):
+    """Records tensors made without naming a device: on a GPU they are made on the host, and copying one over
+    waits for the stream (PyTorch's plain host-to-device copy syncs), which the chunk loop must never do."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None:
+            self.made.append(func.__name__)
+        return func(*args, **kwargs)
+
+
+def test_the_chunk_loop_makes_no_tensor_on_the_host():
+    y, ctx, cam = inputs()
+    s = FastSession(model(), ctx, y, LAT, FastConfig(**WINDOW), "cpu")
+    for k in range(3):
+        with HostMade() as mode:
+            s.next_chunk(cam[:, :, 3 * k : 3 * k + 3])
+        assert mode.made == [], f"chunk {k}"
+
+
+class RecordedForward(fast.ForwardGraph):
+    """A CUDA graph's contract on the CPU: the forward is kept as recorded (its closure as it was then) and run
+    again at each replay on the buffers alone, into the output buffer; a value the session failed to route
+    through the buffers stays at its recorded one, as it would in a real graph."""
+
+    made = []
+
+    def record(self, forward):
+        self.forward, self.replays = forward, 0
+        RecordedForward.made.append(self)
+        return forward(**self.buffers)
+
+    def replay(self):
+        self.replays += 1
+        self.out.copy_(self.forward(**self.buffers))
+
+
+def test_steady_forwards_replay_one_recorded_graph_and_equal_the_compiled_loop(
+    traced_chunk_blocks, monkeypatch
+):
+    m = model()
+    y, ctx, cam = inputs()
+    config = FastConfig(**WINDOW, compile=True)
+
+    def run(graphs: bool, prompt_at=None):
+        s = FastSession(m, ctx, y, LAT, config, "cpu")
+        assert s._graphs is False  # CUDA only
+        s._graphs = graphs
+        out = []
+        for k in range(5):
+            if k == prompt_at:
+                s.set_context(ctx + 1)
+            out.append(s.next_chunk(cam[:, :, 3 * k : 3 * k + 3]))
+        return torch.cat(out, dim=1)
+
+    want = run(False)
+    monkeypatch.setattr(fast, "ForwardGraph", RecordedForward)
+    RecordedForward.made = []
+    # the timesteps, chunks (RoPE from each chunk's first frame), conditions and cameras all differ per replay
+    assert torch.equal(run(True), want)
+    # chunk 2 rolls first: its first forward runs compiled, the second records; 4 + 5 + 5 replays
+    assert [g.replays for g in RecordedForward.made] == [14]
+    RecordedForward.made = []
+    # a new prompt drops the graph (it read the old text's keys): chunk 3's first forward makes the keys,
+    # its second records again
+    assert torch.equal(run(True, prompt_at=3), run(False, prompt_at=3))
+    assert [g.replays for g in RecordedForward.made] == [4, 9]
+
+
+def test_a_refused_recording_leaves_the_session_on_the_compiled_blocks(
+    traced_chunk_blocks, monkeypatch, caplog
+):
+    def refuse(self, forward):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(fast.ForwardGraph, "record", refuse)
+    m = model()
+    y, ctx, cam = inputs()
+    want = generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW, compile=True), "cpu")
+    s = FastSession(m, ctx, y, LAT, FastConfig(**WINDOW, compile=True), "cpu")
+    s._graphs = True
+    got = torch.cat([s.next_chunk(cam[:, :, 3 * k : 3 * k + 3]) for k in range(5)], dim=1)
+    assert torch.equal(got, want) and s._graphs is False
+    assert "CUDA graph of the chunk forward refused (operation not permitted" in caplog.text
 
 
 def test_compile_is_refused_with_lean_activations_and_checked():
@@ -144,7 +258,7 @@ def decoder_compiles(monkeypatch):
 
     monkeypatch.setattr(V, "decoder_runner", lambda device: asked.append(device))
     monkeypatch.setattr(V.WanVAE, "decoder_in", decoder_in)
-    monkeypatch.setattr(speed, "chunk_block_runner", lambda device: None)
+    monkeypatch.setattr(speed, "chunk_block_runner", lambda device, growing=False: None)
     return asked, made
 
 

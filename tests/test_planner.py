@@ -653,3 +653,40 @@ def test_plan_names_the_fast_decoder(demo_ckpt, capsys):
     assert cli.main([*argv, "--vae_dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "VAE decoder fp16" in out and "a chunk's work 3.61 GiB" in out
+
+
+def test_fp8_attention_copies_are_planned():
+    """attention 'fp8' quantizes q, k and v beside each block's attention: the base-cam step's plan and the chunk
+    loop's (fewer with an fp8 K/V cache, whose keys it reads as stored) grow by `fp8_attention_vram`."""
+    from lingbot_world.session import fast_run
+    from lingbot_world.session.request import plan_request
+    from lingbot_world.wan.config import CHUNKED_KINDS, SampleConfig
+    from lingbot_world.wan.fast import FastConfig
+    from lingbot_world.wan.speed import SpeedOptions
+
+    base, fp8 = planner().plan(), planner(fp8_attention=True).plan()
+    extra = mp.fp8_attention_vram(base.tokens, base.tokens, A14B.dim)
+    assert fp8.working_vram == base.working_vram + extra
+    assert abs(extra / GIB - 1.06) < 0.01  # measured +0.9 GiB at this size (BENCHMARKS.md)
+    # the request path asks for it from the speed options
+    check = mp.MemoryCheck(
+        mp.MemoryRequest({"high": NF4, "low": NF4}, t5_device="cpu"), "cuda", free_vram=None
+    )
+    for attn, want in (("sdpa", base), ("fp8", fp8)):
+        plan = plan_request(
+            (480, 832), A14B, SampleConfig(), max_area=480 * 832, memory=check, speed=SpeedOptions(attn)
+        )
+        assert plan.memory.working_vram == want.working_vram, attn
+    kind = CHUNKED_KINDS["v2-1.3b"]
+    model = fast_run.ChunkedModel.of_kind(kind)
+    shape = (28, 58, 104)
+
+    def forward(**settings):
+        config = FastConfig.for_kind(kind, **settings)
+        return fast_run.fast_memory(model, shape, config, None, 0, "auto").work_forward
+
+    tokens, window = 4 * 1508, 18 * 1508
+    assert forward(attention="fp8") - forward() == mp.fp8_attention_vram(tokens, window, kind.dit.dim)
+    fp8_kv = torch.float8_e4m3fn
+    assert forward(attention="fp8", kv_dtype=fp8_kv) - forward(kv_dtype=fp8_kv) == tokens * kind.dit.dim * 5
+    assert abs((forward(attention="fp8") - forward()) / GIB - 0.12) < 0.01  # measured +0.12 GiB

@@ -80,7 +80,9 @@ def _linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 def sinusoidal_embedding_1d(dim: int, position: torch.Tensor) -> torch.Tensor:
     half = dim // 2
     position = position.to(torch.float64)
-    sinusoid = torch.outer(position, torch.pow(10000, -torch.arange(half).to(position).div(half)))
+    # the exponents made on position's device: a host-made arange copied over would sync the chunk loop's host
+    steps = torch.arange(half, dtype=torch.float64, device=position.device)
+    sinusoid = torch.outer(position, torch.pow(10000, -steps.div(half)))
     return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
 
 
@@ -523,6 +525,10 @@ class WanModel(nn.Module):
         band0 = torch.cat([band0, band0.new_zeros(freqs.shape[0] - band0.shape[0], c0)])
         return torch.cat([band0, freqs[:, c0:]], dim=1)
 
+    def runner_rope(self, grid: tuple, start_frame: int, device) -> torch.Tensor:
+        """The compiled runner's RoPE table (`rope_table`) of a forward's token grid from frame `start_frame`."""
+        return rope_table(grid, self._rope(torch.device(device), start_frame))
+
     def time_embed(self, t: torch.Tensor):
         """Timestep [1] -> (e [1, C], e0 [1, 6, C]) in fp32; every token shares them in i2v."""
         e = sinusoidal_embedding_1d(self.freq_dim, t.reshape(-1)[:1]).float()
@@ -578,7 +584,17 @@ class WanModel(nn.Module):
         )
 
     def forward_tokens(
-        self, x, y, t, context, cam_tokens, start_frame=0, kv=BIDIRECTIONAL, seq_len=None, runner=None
+        self,
+        x,
+        y,
+        t,
+        context,
+        cam_tokens,
+        start_frame=0,
+        kv=BIDIRECTIONAL,
+        seq_len=None,
+        runner=None,
+        rope=None,
     ):
         """The prediction from embedded inputs: the one forward of the bidirectional experts (`forward`) and of
         the chunked models (`wan.fast`, one chunk at a time).
@@ -587,7 +603,8 @@ class WanModel(nn.Module):
         [text_len, dim] (`embed_text`; None when `kv` keeps the text's keys from an earlier forward);
         cam_tokens: `embed_camera` of the camera [F*H*W/4, dim] or None; start_frame: the latent frame the
         tokens start at (RoPE); kv: the attention's keys (`Bidirectional`, or `wan.fast.ChunkCausal`); runner:
-        this forward's block runner (None: the model's `block_runner`).
+        this forward's block runner (None: the model's `block_runner`); rope: the compiled runner's RoPE table
+        (`runner_rope`) made by the caller, which keeps it in a fixed buffer (a CUDA graph's input); None: made here.
         Patch embedding, RoPE, the blocks (block swap, compiled runner, lean, sequence parallel), head and
         unpatchify run here once for every model kind.
         """
@@ -610,12 +627,12 @@ class WanModel(nn.Module):
                 f"camera tensor gives {cam_tokens.shape[0]} tokens, the video has {x.shape[0]}; "
                 "lat_f/lat_h/lat_w must match the latent"
             )
-        freqs = self._rope(x.device, start_frame)
         run, swap, sp = runner or self.block_runner, self.block_swap, self.sequence_parallel
-        # compiled blocks get RoPE as real (cos, sin) pairs; a runner that fell back runs the complex table
-        run_freqs = (
-            rope_table(grid, freqs) if run is not None and not getattr(run, "failed", False) else freqs
-        )
+        if rope is None:
+            freqs = self._rope(x.device, start_frame)
+            # compiled blocks get RoPE as real (cos, sin) pairs; a runner that fell back runs the complex table
+            compiled = run is not None and not getattr(run, "failed", False)
+            rope = rope_table(grid, freqs) if compiled else freqs
         lean = self.lean_activations
         if lean and run is not None:
             raise ValueError(
@@ -635,11 +652,11 @@ class WanModel(nn.Module):
                     if swap is not None:
                         swap.before(i)
                     if lean:
-                        x = block.forward_lean(x, e0, grid, freqs, context, cam_tokens, dtype, chunk, i, kv)
+                        x = block.forward_lean(x, e0, grid, rope, context, cam_tokens, dtype, chunk, i, kv)
                     elif run is None:
-                        x = block(x, e0, grid, freqs, context, cam_tokens, dtype, *extra(i))
+                        x = block(x, e0, grid, rope, context, cam_tokens, dtype, *extra(i))
                     else:
-                        x = run(block, x, e0, grid, run_freqs, context, cam_tokens, dtype, *extra(i))
+                        x = run(block, x, e0, grid, rope, context, cam_tokens, dtype, *extra(i))
                     if swap is not None:
                         swap.after(i)
             finally:

@@ -31,6 +31,7 @@ the ranks and each rank's self-attention sees the whole chunk for its share of t
 holds those heads only (1/N of the cache per rank); the text keys, per token work, are kept whole.
 """
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ from .config import (
 from .dit import Bidirectional
 from .pipeline import Hooks
 from .schedulers import sampling_sigmas
+
+log = logging.getLogger("LingBot-World")
 
 CHUNK_FRAMES = 3  # v1 Fast's latent frames per chunk (upstream hard-codes 3; v2 uses 4)
 LATENT_CHANNELS = 16
@@ -166,7 +169,7 @@ def _frame_seqlen(lat_h: int, lat_w: int, patch=PATCH_SIZE) -> int:
     return (lat_h // patch[1]) * (lat_w // patch[2])
 
 
-def _cache_frames(lat_f: int, fast: FastConfig) -> int:
+def cache_frames(lat_f: int, fast: FastConfig) -> int:
     """Latent frames the self-attention cache holds. A window at least as long as the clip never
     evicts, so it is allocated at the clip's length (upstream allocates the window; same values)."""
     return lat_f if fast.local_attn_size == -1 else min(fast.local_attn_size, lat_f)
@@ -179,7 +182,7 @@ def kv_cache_bytes_for(
     sequence-parallel ranks (each keeps its share of the heads' self-attention keys, the text keys whole)."""
     lat_f, lat_h, lat_w = lat_shape
     itemsize = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-    tokens = _frame_seqlen(lat_h, lat_w, config.patch_size) * _cache_frames(lat_f, fast)
+    tokens = _frame_seqlen(lat_h, lat_w, config.patch_size) * cache_frames(lat_f, fast)
     per_token = 2 * config.num_layers * config.dim
     return per_token * (
         tokens * itemsize(fast.kv_dtype or compute_dtype) // ranks + config.text_len * itemsize(compute_dtype)
@@ -303,9 +306,11 @@ class LayerKeys(Bidirectional):
 
 class ChunkBlocks:
     """The chunk loop's compiled block runner: `speed.CompiledBlocks` of `speed.run_chunk_block`, given each
-    block's `LayerKeys`. Shapes are fixed once the window is full; `FastSession` runs the chunks before that
-    eagerly (their key lengths grow chunk by chunk), so the graphs are traced once, at the first chunk that
-    evicts, and never again: two (a bf16 residual stream into block 0, fp32 after)."""
+    block's `LayerKeys`. Shapes are fixed once the window is full, so its graphs are traced once, at the first
+    chunk that evicts, and never again: two (a bf16 residual stream into block 0, fp32 after). Whole clips run
+    the chunks before it eagerly (their key lengths grow chunk by chunk); live play, which starts every rollout
+    with them, runs them from the second chunk through a second one, of `speed.run_growing_chunk_block`, whose
+    two graphs take the cache's placement as symbols."""
 
     def __init__(self, blocks):
         self.blocks = blocks
@@ -317,6 +322,33 @@ class ChunkBlocks:
     def __call__(self, block, *args):
         *args, layer, kv = args
         return self.blocks(block, *args, kv.layer(layer))
+
+
+class ForwardGraph:
+    """One forward recorded as a CUDA graph and replayed: each call copies its inputs into the graph's own buffers
+    and replays it; the output is the graph's buffer, valid until the next call. Whatever else the forward reads
+    (weights, the K/V cache, the text's keys, the cache placement) must stay where it was when it was recorded:
+    a chunked session's steady state (`FastSession`)."""
+
+    def __init__(self, forward, inputs: dict):
+        self.buffers = {name: t.clone() for name, t in inputs.items()}
+        self.out = self.record(forward)
+
+    def record(self, forward):
+        """Record `forward(**buffers)` (nothing runs yet); returns its output buffer."""
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: a decode worker may launch its own work on another stream meanwhile
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            return forward(**self.buffers)
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+    def __call__(self, inputs: dict) -> torch.Tensor:
+        for name, t in inputs.items():
+            self.buffers[name].copy_(t)
+        self.replay()
+        return self.out
 
 
 class FastSession:
@@ -386,7 +418,7 @@ class FastSession:
         blk = model.blocks[0].self_attn
         self._cache = SelfKVCache(
             len(model.blocks),
-            self.frame_seqlen * _cache_frames(lat_f, config),
+            self.frame_seqlen * cache_frames(lat_f, config),
             blk.num_heads // (1 if sp is None else sp.world),  # sequence parallel: this rank's heads
             blk.head_dim,
             config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
@@ -394,12 +426,24 @@ class FastSession:
             self.device,
         )
         self._kv = ChunkCausal(self._cache, len(model.blocks))
-        self._runner = None
+        self._runner = self._growing = None
+        # compiled on CUDA: the steady forward as a CUDA graph (`_graphed`; not under sequence parallel, whose
+        # collectives it would have to record, nor with blocks swapped in from the host)
+        self._graphs = (
+            config.compile and self.device.type == "cuda" and sp is None and model.block_swap is None
+        )
+        self._graph: ForwardGraph | None = None
+        self._graph_warm = False  # a steady forward ran compiled in this session: the next one records
         if config.compile:
             if getattr(model, "lean_activations", False):
                 raise ValueError("compile: the lean blocks do not run compiled; turn off lean_activations")
             blocks = speed.chunk_block_runner(self.device)
             self._runner = None if blocks is None else ChunkBlocks(blocks)
+            # live play's chunks before the window is full (each rollout's first), compiled with symbolic placement
+            # (play traces them in its unseen warm-up); a whole clip's and sequence parallel's run eagerly
+            growing = stream and blocks is not None and sp is None
+            growing = speed.chunk_block_runner(self.device, growing=True) if growing else None
+            self._growing = None if growing is None else ChunkBlocks(growing)
         self._chunks: list[torch.Tensor] = []
         self._closed = False
 
@@ -420,12 +464,17 @@ class FastSession:
         """One forward of chunk `chunk` (placed in the cache by `SelfKVCache.begin`) at timestep t [1] on the
         device (`cam_tokens`: the chunk's, the same for all its forwards): the model's one forward with RoPE
         from the chunk's first frame and the chunk-causal keys. Compiled blocks (`FastConfig.compile`) run once
-        the window is full and the text's keys exist."""
+        the window is full and the text's keys exist; in live play (`stream`) also the chunks from the second on
+        before that, through the growing chunks' runner."""
         m, kv = self.model, self._kv
         first = kv.text[-1] is None  # the first forward (or the first after set_context): the text's keys
         context = m.embed_text(self._context) if first else None
-        run = self._runner if self._runner is not None and self._cache.rolled and not first else None
+        rolled = self._cache.rolled
+        # the growing runner from chunk 1: at chunk 0 the cache's first slot, 0, would trace as a constant
+        run = None if first else self._runner if rolled else self._growing if chunk else None
         with attention.use(self.config.attention):
+            if run is not None and rolled and self._graphs and not run.failed:
+                return self._graphed(run, latent, t, chunk, cam_tokens)
             return m.forward_tokens(
                 latent,
                 self._y[chunk],
@@ -436,6 +485,43 @@ class FastSession:
                 kv=kv,
                 runner=run,
             )
+
+    def _graphed(self, run, latent, t, chunk: int, cam_tokens) -> torch.Tensor:
+        """A steady forward (the window full, the text's keys made, the blocks compiled) through the session's CUDA
+        graph: the first runs as it is (the compiled blocks may still trace), the next records the graph, and
+        that one and every later forward replay it with their inputs (latent, condition, timestep, RoPE table from
+        the chunk's first frame, camera tokens) copied into its buffers. The same kernels as without it, bit for
+        bit; what it saves is the host's launch work (measured in BENCHMARKS.md). A refused recording logs one
+        line and leaves the session on the compiled blocks."""
+        m, p = self.model, self.model.patch_size
+        _, lat_h, lat_w = self.lat_shape
+        grid = (self.chunk // p[0], lat_h // p[1], lat_w // p[2])
+        inputs = {
+            "x": latent,
+            "y": self._y[chunk],
+            "t": t,
+            "rope": m.runner_rope(grid, chunk * self.chunk, latent.device),
+        }
+        if cam_tokens is not None:
+            inputs["cam"] = cam_tokens
+
+        def forward(x, y, t, rope, cam=None):
+            return m.forward_tokens(x, y, t, None, cam, kv=self._kv, runner=run, rope=rope)
+
+        if self._graph is None:
+            if not self._graph_warm:
+                self._graph_warm = True
+                return forward(**inputs)
+            try:
+                self._graph = ForwardGraph(forward, inputs)
+            except RuntimeError as err:
+                self._graphs = False
+                text = (str(err).strip().splitlines() or [""])[0]
+                log.warning(
+                    "CUDA graph of the chunk forward refused (%s); running the compiled blocks", text[:300]
+                )
+                return forward(**inputs)
+        return self._graph(inputs)
 
     # --- the chunk loop -------------------------------------------------------------------------
 
@@ -528,6 +614,7 @@ class FastSession:
             raise ValueError(f"context: expected [tokens <= {self.model.text_len}, text_dim], got {got}")
         self._context = context.to(self.device)
         self._kv.text = [None] * len(self.model.blocks)
+        self._graph = None  # it read the old text's keys
 
     def latent(self) -> torch.Tensor:
         """The finished chunks concatenated [16, chunk * done, lat_h, lat_w]."""
@@ -539,6 +626,7 @@ class FastSession:
     def close(self) -> None:
         """Free the caches and the remaining noise (idempotent)."""
         self._closed = True
+        self._graph = None
         self._cache.k, self._cache.v = [], []
         self._kv.text = [None] * len(self.model.blocks)
         self._noise = []

@@ -136,9 +136,8 @@ class _Kernels:
     def handle(self, cudnn, index: int):
         if not self.handles:  # runs before the frontend's own exit hook (registered at its import): nothing
             atexit.register(self.clear)  # of ours is left for its bindings to report as leaked at shutdown
-        if index not in self.handles:
-            with torch.cuda.device(index):
-                self.handles[index] = cudnn.create_handle()
+        if index not in self.handles:  # made on the current device: the op's own device context (`_kernel`)
+            self.handles[index] = cudnn.create_handle()
         return self.handles[index]
 
     def p_scale(self, index: int) -> tuple:

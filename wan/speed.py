@@ -139,6 +139,12 @@ def run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys):
     return block(x, e0, grid, freqs, context, cam, dtype, 0, keys)
 
 
+def run_growing_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys):
+    """`run_chunk_block` for the chunks before the attention window is full, whose key lengths grow chunk by
+    chunk: compiled with the cache's placement as symbols (dynamic shapes), so one set of graphs serves them all."""
+    return run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys)
+
+
 def compiler_missing(device: torch.device) -> str | None:
     """Why torch.compile's default backend cannot build kernels for `device`, or None if it can."""
     if not hasattr(torch, "compile"):
@@ -160,11 +166,12 @@ class CompiledBlocks:
     same shapes, so the graphs traced for block 0 serve all blocks). Graphs are keyed by what varies
     between calls: the residual stream's dtype (bf16 into block 0, fp32 after) and whether a camera
     tensor is given, so a run traces at most a handful, all in its first forward. If the backend
-    compiler fails, logs one line and runs the blocks eagerly from then on."""
+    compiler fails, logs one line and runs the blocks eagerly from then on. `dynamic`: shapes and integers
+    as symbols (the growing chunks' runner)."""
 
-    def __init__(self, backend="inductor", fn=run_block, what="the DiT blocks"):
+    def __init__(self, backend="inductor", fn=run_block, what="the DiT blocks", dynamic=False):
         self.fn, self.what = fn, what
-        self.compiled = torch.compile(fn, backend=backend, dynamic=False)
+        self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
         self.failed = False
 
     def __call__(self, block, *args):
@@ -187,7 +194,7 @@ class CompiledBlocks:
 _shared_runners: dict = {}  # the compiled function (`run_block`, `run_chunk_block`) -> its shared runner
 
 
-def shared_runner(fn, device, what="the DiT blocks") -> CompiledBlocks | None:
+def shared_runner(fn, device, what="the DiT blocks", dynamic=False) -> CompiledBlocks | None:
     """The shared compiled runner of `fn` (a fresh one after a compiler failure), or None (eager) with one log
     line when the compiler is unavailable for `device`."""
     reason = compiler_missing(torch.device(device))
@@ -196,7 +203,7 @@ def shared_runner(fn, device, what="the DiT blocks") -> CompiledBlocks | None:
         return None
     runner = _shared_runners.get(fn)
     if runner is None or runner.failed:
-        runner = _shared_runners[fn] = CompiledBlocks(fn=fn, what=what)
+        runner = _shared_runners[fn] = CompiledBlocks(fn=fn, what=what, dynamic=dynamic)
     return runner
 
 
@@ -206,9 +213,11 @@ def block_runner(options: SpeedOptions, device) -> CompiledBlocks | None:
     return shared_runner(run_block, device) if options.compile else None
 
 
-def chunk_block_runner(device) -> CompiledBlocks | None:
-    """The chunk loop's shared compiled runner of `run_chunk_block` (`wan.fast.FastConfig.compile`), or None
-    (eager) with one log line when the compiler is unavailable."""
+def chunk_block_runner(device, growing: bool = False) -> CompiledBlocks | None:
+    """The chunk loop's shared compiled runner of `run_chunk_block` (`wan.fast.FastConfig.compile`; `growing`: of
+    `run_growing_chunk_block`, dynamic), or None (eager) with one log line when the compiler is unavailable."""
+    if growing:
+        return shared_runner(run_growing_chunk_block, device, "the growing chunks' DiT blocks", dynamic=True)
     return shared_runner(run_chunk_block, device)
 
 

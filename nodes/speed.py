@@ -38,8 +38,7 @@ def check_chunked_speed(speed: SpeedOptions, device, node: str) -> None:
             f"speed: {node} takes attention, compile and fp8_linears from LingBot Speed; turn off "
             "step_cache and lean_activations there (they are the base-cam sampler's)"
         )
-    attention.resolve(speed.attention)  # a missing backend's package is named before any work
-    check_speed_input(speed, device)
+    check_speed_input(speed, device)  # an unknown backend or a missing package named before any work
 
 
 def check_fp8_input(device) -> None:

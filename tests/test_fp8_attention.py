@@ -168,6 +168,7 @@ def test_fp8_attention_refused_off_cuda():
     assert "CUDA GPU with fp8 tensor cores" in problem and "--attention sdpa" in problem
     assert attention.problem("sdpa", "cpu") is None
     assert "--attention sdpa" in attention.problem("sage", "cpu")  # no sageattention here, and no CUDA
+    assert "attention backend must be one of" in attention.problem("flash9", "cpu")
 
 
 def test_cli_attention_fp8_refused_on_cpu_before_anything_loads(

@@ -112,8 +112,10 @@ def resolve(name: str) -> Backend:
 
 def problem(name: str, device) -> str | None:
     """Why backend `name` cannot run on `device` (None: it can, or only running it will tell), naming the
-    fallback."""
+    fallback; an unknown name says which there are."""
     backend = _BACKENDS.get(name)
+    if backend is None:
+        return f"attention backend must be one of {names()}, got {name!r}"
     if backend is fp8:
         return fp8_attention.attention_problem(device)
     if backend is sage:

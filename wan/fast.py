@@ -332,17 +332,20 @@ class ForwardGraph:
 
     def __init__(self, forward, inputs: dict):
         self.buffers = {name: t.clone() for name, t in inputs.items()}
+        self.device = next(iter(self.buffers.values())).device
         self.out = self.record(forward)
 
     def record(self, forward):
         """Record `forward(**buffers)` (nothing runs yet); returns its output buffer."""
         self.graph = torch.cuda.CUDAGraph()
+        # under the inputs' device (the capture stream is the current device's, e.g. with --device cuda:1);
         # thread_local: a decode worker may launch its own work on another stream meanwhile
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             return forward(**self.buffers)
 
     def replay(self) -> None:
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
 
     def __call__(self, inputs: dict) -> torch.Tensor:
         for name, t in inputs.items():

@@ -84,8 +84,6 @@ def path_options(name: str) -> dict:
         "fp8": name.startswith("fp8"),
         "compile": "_compiled" in name,
         "attention": "fp8" if "_fp8attn" in name else "sdpa",
-        # `_nograph`: compiled blocks without the chunk loop's CUDA graph (`FastSession._graphed`); chunk loops only
-        "graphs": not name.endswith("_nograph"),
     }
 
 
@@ -378,7 +376,8 @@ def v2_case(kind_name, args, device, rates) -> dict:
             config, compile=compiled, attention=options["attention"], kv_dtype=kv
         )
         session = FastSession(model, context, y, lat_shape, run_config, device, timer)
-        session._graphs = session._graphs and options["graphs"]
+        # `_nograph`: compiled blocks without the chunk loop's CUDA graph (`FastSession._graphed`)
+        session._graphs = session._graphs and not name.endswith("_nograph")
         out[name] = {"cuda_graph": session._graphs}
         times, steps, commits, xs = [], [], [], []
         for c in range(chunks):

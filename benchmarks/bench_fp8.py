@@ -207,9 +207,8 @@ def floor_sequence(
     d = dim // heads
     q, k, v = rand(1, heads, q_tokens, d), rand(1, heads, kv_tokens, d), rand(1, heads, kv_tokens, d)
     kv_text = rand(1, heads, cfg.text_len, d)
-    attend = cross = (
-        F.scaled_dot_product_attention
-    )  # cross-attention's text keys: SDPA under fp8 too (MIN_KEYS)
+    # cross-attention over the text's keys stays SDPA under fp8 attention too (MIN_KEYS)
+    attend = cross = F.scaled_dot_product_attention
     if fp8_attn:
         codes = {id(t): fp8_attention.quantize(t[0].transpose(0, 1)) for t in (q, k, v)}
 

@@ -79,8 +79,8 @@ class LingBotSpeed:
                     {
                         "default": DEFAULTS.compile,
                         "tooltip": "torch.compile the transformer blocks (one graph for all 40; the first step is slower "
-                        "while it compiles; the chunked models compile once their attention window is full, then replay each forward as one "
-                        "CUDA graph). Falls back to eager with one log line if Triton or a compiler is missing.",
+                        "while it compiles; the chunked models compile once their attention window is full (Play also its earlier chunks), "
+                        "then replay each steady forward as one CUDA graph). Falls back to eager with one log line if Triton or a compiler is missing.",
                     },
                 ),
                 "step_cache": (

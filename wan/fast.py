@@ -198,7 +198,8 @@ class SelfKVCache:
     `write(layer, k, v)` then stores a layer's keys in the chunk's slots and returns what its queries
     attend to, cache[:end], as stored (an fp8 cache's e4m3 values: the attention backend casts them to the
     compute dtype, or the fp8 backend takes them as they are). The placement is plain integers, fixed per chunk and the
-    same for every chunk once the window is full: a compiled block sees constants, no host sync.
+    same for every chunk once the window is full: the fixed-shape compiled blocks see constants (live play's
+    growing chunks' blocks see symbols), no host sync.
     """
 
     def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, device):

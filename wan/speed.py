@@ -191,7 +191,7 @@ class CompiledBlocks:
         return self.fn(block, *args)
 
 
-_shared_runners: dict = {}  # the compiled function (`run_block`, `run_chunk_block`) -> its shared runner
+_shared_runners: dict = {}  # the compiled function (`run_block`, `run_chunk_block`, ...) -> its shared runner
 
 
 def shared_runner(fn, device, what="the DiT blocks", dynamic=False) -> CompiledBlocks | None:

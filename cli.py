@@ -562,14 +562,21 @@ def speed_options(args) -> SpeedOptions:
 
 
 ATTENTION_HELP = (
-    "attention kernel: sdpa (PyTorch's, exact), sage (SageAttention; needs the sageattention package) or fp8 "
+    "attention kernel: sdpa (PyTorch's, exact), sage (SageAttention; needs the sageattention package), fp8 "
     "(cuDNN's fp8 attention: q, k, v, the softmax probabilities and the output in e4m3; a CUDA GPU with fp8 "
-    "tensor cores, Hopper or newer, and the nvidia-cudnn-frontend package). Faster, not exact"
+    "tensor cores, Hopper or newer, and the nvidia-cudnn-frontend package; faster, not exact), fa3 "
+    "(FlashAttention-3's bf16 kernel: an H100/H200 and the flash_attn_3 package, built from flash-attention's "
+    "hopper/ directory) or fa3_fp8 (its fp8 kernel: q, k, v in e4m3 with a scale per head, bf16 output; the "
+    "fastest on Hopper, not exact)"
 )
 
 
+# wan.attention.BUILT_IN, written out: the parser imports no torch (a test keeps the two equal)
+ATTENTION_CHOICES = ("sdpa", "sage", "fp8", "fa3", "fa3_fp8")
+
+
 def add_attention_arg(p) -> None:
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "sage", "fp8"], help=ATTENTION_HELP)
+    p.add_argument("--attention", default="sdpa", choices=ATTENTION_CHOICES, help=ATTENTION_HELP)
 
 
 def check_attention(args, device) -> None:

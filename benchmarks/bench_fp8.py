@@ -23,9 +23,10 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
   deviation from an fp32 reference; flash-attn, flashinfer and sageattention only when importable (listed
   as absent otherwise); cuDNN's fp8 attention (`--attention fp8`, `wan.fp8_attention`) where it runs, with
   and without its quantization, and its deviation from the fp32 reference and from `fp8_attention.reference`
-  (the kernel's arithmetic in plain torch).
-- ``*_fp8attn`` paths (base-cam and chunk loops): the compiled path with `attention='fp8'` as well; their floor
-  counts the fp8 attention kernel in place of SDPA's.
+  (the kernel's arithmetic in plain torch); FlashAttention-3 (`--attention fa3` / `fa3_fp8`,
+  `wan.fa3_attention`) where it runs, as the blocks call it and its kernel alone on prepared operands.
+- ``*_fp8attn`` / ``*_fa3attn`` / ``*_fa3fp8attn`` paths (base-cam and chunk loops): the compiled path with
+  `attention='fp8'` / `'fa3'` / `'fa3_fp8'` as well; their floor counts that backend's kernel in place of SDPA's.
 
     python benchmarks/bench_fp8.py --scale full --paths bf16 fp8_compiled fp8_compiled_fp8attn   # paths to run
     python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
@@ -53,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_speed import SHAPES, Step, kernel_floor, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
-from lingbot_world.wan import attention, fp8, fp8_attention, speed  # noqa: E402
+from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, speed  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
@@ -70,12 +71,18 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
     "bf16_compiled",
     "bf16_compiled_nograph",
     "bf16_compiled_fp8attn",
+    "bf16_compiled_fa3attn",
+    "bf16_compiled_fa3fp8attn",
+    "bf16_compiled_fa3fp8attn_kv8",
     "fp8",
     "fp8_compiled",
     "fp8_compiled_fp8attn",
     "fp8_compiled_fp8attn_kv8",
     "fp8_compiled_fp8attn_kv8_nograph",
+    "fp8_compiled_fa3fp8attn_kv8",
 )
+# a path's attention backend, by the part of its name that says so (none: SDPA)
+ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 
 
 def path_options(name: str) -> dict:
@@ -83,7 +90,7 @@ def path_options(name: str) -> dict:
     return {
         "fp8": name.startswith("fp8"),
         "compile": "_compiled" in name,
-        "attention": "fp8" if "_fp8attn" in name else "sdpa",
+        "attention": next((a for tag, a in ATTENTION_TAGS.items() if tag in name), "sdpa"),
     }
 
 
@@ -94,8 +101,8 @@ def path_skip(name: str, args, device, compile_issue) -> str | None:
     options = path_options(name)
     if options["compile"] and compile_issue:
         return compile_issue
-    if options["attention"] == "fp8":
-        return attention.problem("fp8", device)
+    if options["attention"] != "sdpa":
+        return attention.problem(options["attention"], device)
     return None
 
 
@@ -177,12 +184,13 @@ def gemm_rate(device, m: int, k: int, n: int, use_fp8: bool, seconds: float = 2.
 
 
 def floor_sequence(
-    cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int, use_fp8: bool, fp8_attn: bool = False
+    cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int, use_fp8: bool, attn: str = "sdpa"
 ) -> float:
     """Sustained seconds of the kernels alone, back to back: per block the GEMMs at the real shapes with their
     biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
-    (SDPA bf16; `fp8_attn`: cuDNN's fp8 kernel on operands quantized beforehand); `text_tokens` 0: cross k/v
-    cached (the chunk loop)."""
+    (SDPA bf16; `attn` 'fp8' / 'fa3' / 'fa3_fp8': that backend's kernel for the self-attention, fp8 operands
+    quantized beforehand; cross-attention stays SDPA, as the backends keep short key sets on bf16 kernels);
+    `text_tokens` 0: cross k/v cached (the chunk loop)."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -209,12 +217,14 @@ def floor_sequence(
     kv_text = rand(1, heads, cfg.text_len, d)
     # cross-attention over the text's keys stays SDPA under fp8 attention too (MIN_KEYS)
     attend = cross = F.scaled_dot_product_attention
-    if fp8_attn:
+    if attn == "fp8":
         codes = {id(t): fp8_attention.quantize(t[0].transpose(0, 1)) for t in (q, k, v)}
 
         def attend(q, k, v):
             (q8, qs), (k8, ks), (v8, vs) = codes[id(q)], codes[id(k)], codes[id(v)]
             torch.ops.lingbot.fp8_attention(q8, k8, v8, qs, ks, vs, vs)
+    elif attn in ("fa3", "fa3_fp8"):
+        attend = functools.partial(_fa3_kernel, fa3_operands(attn, q, k, v))
 
     def sequence():
         for _ in range(cfg.num_layers * forwards):
@@ -230,11 +240,12 @@ def floor_sequence(
 
 def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates) -> dict:
     out = {}
-    runs = [("bf16", False, False), ("fp8", True, False)]
-    if attention.problem("fp8", device) is None:
-        runs += [("bf16_fp8attn", False, True), ("fp8_fp8attn", True, True)]
-    for name, use_fp8, fp8_attn in runs:
-        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, fp8_attn)
+    runs = [("bf16", False, "sdpa"), ("fp8", True, "sdpa")]
+    for tag, attn in ATTENTION_TAGS.items():
+        if attention.problem(attn, device) is None:
+            runs += [(f"bf16{tag}", False, attn), (f"fp8{tag}", True, attn)]
+    for name, use_fp8, attn in runs:
+        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn)
         out[f"{name}_sustained_s"] = round(seq, 5)
     # the GEMM FLOPs at each precision's sustained rate, plus the attention of the bf16 floor's kernels
     flops = gemm_flops(cfg, q_tokens, text_tokens, forwards)
@@ -282,16 +293,11 @@ def base_cam(args, device, rates) -> dict:
         print(f"base_cam {name}: {res}", file=sys.stderr)
     out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates)
     base = out.get("bf16_compiled", {}).get("step_s")
-    for name in (
-        "bf16_compiled",
-        "bf16_compiled_fp8attn",
-        "fp8_eager",
-        "fp8_compiled",
-        "fp8_compiled_fp8attn",
-    ):
-        if "step_s" in out.get(name, {}):
+    timed_paths = [name for name, res in out.items() if isinstance(res, dict) and "step_s" in res]
+    for name in timed_paths:
+        if name != "bf16_eager":
             out[f"{name}_over_bf16_compiled"] = round(out[name]["step_s"] / base, 3) if base else None
-    for case in ("bf16_compiled", "bf16_compiled_fp8attn", "fp8_compiled", "fp8_compiled_fp8attn"):
+    for case in (name for name in timed_paths if "_compiled" in name):
         floor = out["floor"].get(floor_key(case))
         if "step_s" in out.get(case, {}) and floor:
             out[f"{case}_over_sustained_floor"] = round(out[case]["step_s"] / floor, 3)
@@ -299,9 +305,10 @@ def base_cam(args, device, rates) -> dict:
 
 
 def floor_key(path: str) -> str:
-    """The `floors` entry a path is measured against (its Linears' precision; fp8 attention or SDPA's)."""
+    """The `floors` entry a path is measured against (its Linears' precision; its attention kernel)."""
     prec = "fp8" if path.startswith("fp8") else "bf16"
-    return f"{prec}_fp8attn_sustained_s" if "_fp8attn" in path else f"{prec}_sustained_s"
+    tag = next((tag for tag in ATTENTION_TAGS if tag in path), "")
+    return f"{prec}{tag}_sustained_s"
 
 
 class ChunkTimer(Hooks):
@@ -459,6 +466,9 @@ def attention_cases(args, device) -> dict:
     fp8_attn = attention.problem("fp8", device) is None
     if not fp8_attn:
         out["fp8_cudnn"] = attention.problem("fp8", device)
+    fa3 = [name for name in ("fa3", "fa3_fp8") if attention.problem(name, device) is None]
+    for name in {"fa3", "fa3_fp8"} - set(fa3):
+        out[name] = attention.problem(name, device)
     d = 128 if full else 16
     for shape, (heads, lq, lk) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
@@ -481,6 +491,9 @@ def attention_cases(args, device) -> dict:
             runs["fp8_cudnn"] = _fp8_attention
             codes = [fp8_attention.quantize(t[0].transpose(0, 1)) for t in (q, k, v)]
             runs["fp8_cudnn_kernel"] = functools.partial(_fp8_kernel, codes)
+        for name in fa3:  # as the blocks call them (eager, quantization included), and the kernel alone
+            runs[name] = functools.partial(_backend, name)
+            runs[f"{name}_kernel"] = functools.partial(_fa3_kernel, fa3_operands(name, q, k, v))
         for name, kernel in runs.items():
             fn = functools.partial(kernel, q, k, v)
             try:
@@ -490,7 +503,8 @@ def attention_cases(args, device) -> dict:
                 res[name] = {"unavailable": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"}
                 continue
             res[name] = {"ms": round(t * 1e3, 3)}
-            if ref is not None and name != "fp8_cudnn_kernel":
+            # cuDNN's kernel alone writes e4m3 codes (no deviation to take); FA3's writes bf16 attention
+            if ref is not None and (not name.endswith("_kernel") or name.startswith("fa3")):
                 res[name].update(deviation(o, ref))
         if fp8_attn:  # the kernel against its arithmetic in plain torch, on the first heads
             few = min(heads, 2)
@@ -523,6 +537,32 @@ def _fp8_attention(q, k, v):
     """`--attention fp8` as the blocks call it ([L, heads, d]; quantization included, eager)."""
     out = fp8_attention.attention(*(t[0].transpose(0, 1) for t in (q, k, v)), torch.bfloat16)
     return out.transpose(0, 1)[None]
+
+
+def _backend(name, q, k, v):
+    """Backend `name` as the blocks call it ([L, heads, d] in and out), on SDPA's [1, heads, L, d] tensors."""
+    out = attention.resolve(name)(*(t[0].transpose(0, 1) for t in (q, k, v)), torch.bfloat16)
+    return out.transpose(0, 1)[None]
+
+
+def fa3_operands(name, q, k, v) -> dict:
+    """FA3's arguments for [1, heads, L, d] q, k, v: its [1, L, heads, d] layout; 'fa3_fp8': e4m3 codes with a
+    scale per head (`fa3_attention.head_quantize`), quantized beforehand."""
+    tensors = [t[0].transpose(0, 1) for t in (q, k, v)]
+    if name == "fa3":
+        return {"tensors": [t[None].contiguous() for t in tensors], "descales": {}}
+    quantized = [fa3_attention.head_quantize(t) for t in tensors]
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), (s for _, s in quantized), strict=True))
+    return {"tensors": [c[None] for c, _ in quantized], "descales": descales}
+
+
+def _fa3_kernel(operands, *_):
+    """FA3's kernel alone on prepared operands (`fa3_operands`), its output in SDPA's layout."""
+    from flash_attn_interface import flash_attn_func
+
+    out = flash_attn_func(*operands["tensors"], **operands["descales"])
+    out = out[0] if isinstance(out, tuple) else out
+    return out.transpose(1, 2)
 
 
 def _fp8_kernel(codes, *_):
@@ -584,6 +624,8 @@ def main() -> int:
         "torch": torch.__version__,
         "fp8_problem": fp8.fp8_problem(device),
         "fp8_attention_problem": attention.problem("fp8", device),
+        "fa3_problem": attention.problem("fa3", device),
+        "fa3_fp8_problem": attention.problem("fa3_fp8", device),
         "note": "random weights: deviations are numerics only, not image quality",
     }
     if cuda and summary["fp8_problem"] is not None:

@@ -13,6 +13,9 @@ changing keys every --key-period seconds, and receives every JPEG frame. Reporte
   frame of the latent frame it landed in; `client_key_to_frame` p50/p95: from sending the key to receiving
   the first frame whose pose moved the way the key asks, which includes the chunk the key waited for and,
   paced, the pacer's wait),
+- steady state past a rollout's start (`rollout_start_chunks`: the chunks before its attention window is full
+  and the first that rolls it, which run apart from the steady compiled graph; a rollout lasts 256 chunks):
+  `steady_client_fps` (frames / wall time at the client from there on) and `steady_s_per_chunk`,
 - peak VRAM (and the decode device's, `decode_peak_vram_gib`).
 The server paces the frames (session.pacer; `--no_pace` sends each as it is made), so the figures as shown
 are reported too: `shown_fps` (frames / wall time at the pace they were sent, after the warm-up),
@@ -60,6 +63,7 @@ from lingbot import load_pack  # noqa: E402
 load_pack()
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir  # noqa: E402
 from lingbot_world.session import distributed, play, play_server  # noqa: E402
+from lingbot_world.wan import attention  # noqa: E402
 from lingbot_world.wan.parallel import heads_issue  # noqa: E402
 
 # (seconds into the script, message): walk, turn, strafe, mouse look, run
@@ -153,7 +157,10 @@ def main() -> int:
     )
     ap.add_argument("--compile", action="store_true", help="compile the DiT's chunk forward")
     ap.add_argument(
-        "--attention", choices=["sdpa", "fp8"], default="sdpa", help="the DiT's attention (fp8: cuDNN's)"
+        "--attention",
+        choices=attention.BUILT_IN,
+        default="sdpa",
+        help="the DiT's attention (fp8: cuDNN's; fa3 / fa3_fp8: FlashAttention-3's)",
     )
     ap.add_argument("--decode_device", help="the VAE's device, e.g. cuda:1 (default: the DiT's)")
     ap.add_argument(
@@ -256,6 +263,12 @@ def bench(args, device: torch.device, ranks: int) -> int:
     steady = arrivals[first_chunk - 1 :]
     client_fps = (len(steady) - 1) / (steady[-1] - steady[0]) if len(steady) > 1 else None
     gaps = np.diff(arrivals[first_chunk + chunk * 4 :])  # from the third chunk on
+    # a rollout's start: the chunks before its window is full and the first that rolls it (their key sets grow,
+    # so they run apart from the steady graph); a rollout is 256 chunks, so play is mostly past them
+    start = session.config.local_attn_size // chunk + 1
+    later = arrivals[first_chunk + (start - 1) * chunk * 4 - 1 :]
+    steady_fps = (len(later) - 1) / (later[-1] - later[0]) if len(later) > 1 else None
+    steady_chunks = session.chunk_seconds[start:]
     lat = seen["latencies"]
     summary = {
         "bench": "play",
@@ -277,6 +290,9 @@ def bench(args, device: torch.device, ranks: int) -> int:
         "fps_played": stats["fps_played"],
         "client_fps": client_fps,
         "s_per_chunk": stats["s_per_chunk"],
+        "rollout_start_chunks": start,
+        "steady_client_fps": steady_fps,
+        "steady_s_per_chunk": float(np.mean(steady_chunks)) if steady_chunks else None,
         "chunk_s": [round(v, 4) for v in session.chunk_seconds],
         "decode_s_per_chunk": stats["decode_s_per_chunk"],
         "decode_s": [round(v, 4) for v in session.decode_seconds],

@@ -26,7 +26,7 @@ def check_speed_input(speed: SpeedOptions | None, device) -> None:
         check_fp8_input(device)
     problem = attention.problem(speed.attention, device)
     if problem is not None:
-        raise ValueError(f"speed attention: {problem}".replace("use --attention sdpa", "pick sdpa"))
+        raise ValueError(f"speed attention: {problem}".replace("use --attention ", "pick "))
 
 
 def check_chunked_speed(speed: SpeedOptions, device, node: str) -> None:
@@ -65,12 +65,14 @@ class LingBotSpeed:
         return {
             "required": {
                 "attention": (
-                    ["sdpa", "sage", "fp8", COMFY],
+                    [*attention.BUILT_IN, COMFY],
                     {
                         "default": DEFAULTS.attention,
                         "tooltip": "sdpa: PyTorch's kernels. sage: SageAttention (needs the sageattention package). "
                         "fp8: cuDNN's fp8 attention (a GPU with fp8 tensor cores, Hopper or newer, and the "
                         "nvidia-cudnn-frontend package; faster, not exact). "
+                        "fa3: FlashAttention-3 (an H100-class GPU and the flash_attn_3 package). fa3_fp8: its fp8 "
+                        "kernel, a scale per head (faster, not exact). "
                         "comfy: ComfyUI's optimized attention, as set by --use-sage-attention / --use-flash-attention.",
                     },
                 ),

@@ -13,15 +13,20 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
+def queued_end(device: torch.device):
+    """An event marking the end of the work queued so far on `device`'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    return done
+
+
 def hand_over(tensor: torch.Tensor, device: torch.device) -> tuple:
     """(`tensor` on the decode `device`, the event `DecodeWorker.submit` waits for before the worker reads it: a
     torch.cuda.Event recorded after the copy, None on the CPU)."""
     tensor = tensor.to(device)
-    ready = None
-    if device.type == "cuda":  # the worker's stream starts after the caller's work and the copy
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-    return tensor, ready
+    return tensor, queued_end(device)  # the worker's stream starts after the caller's work and the copy
 
 
 class DecodeWorker:

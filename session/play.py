@@ -24,7 +24,10 @@ device), where the VAE lives: `step()` hands the chunk's latent over and returns
 chunk's input and DiT run while it decodes (at most one chunk in the decoder; the next one's hand-over waits for
 it). On one GPU the two share its memory: `overlap` None (the default) turns it on there when the memory plan
 fits the forward and the decode side by side (`check_memory`), else `step()` waits for its frames.
-Either way the frames, their poses and key stamps are the same.
+Either way the frames, their poses and key stamps are the same. The latent goes to the decoder once the chunk's
+last step is queued, so its decode can start beside the commit pass (which only refreshes the cache from it). A
+chunk reads its input only once the previous chunk's DiT, commit included, is done on the GPU (the host would
+otherwise run ahead and queue it behind that DiT, and every key would wait that much longer).
 
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
 chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key
@@ -63,7 +66,7 @@ from ..wan.pipeline import frames_to_uint8
 from ..wan.vae import ChunkDecoder, decode_dtype, decoder_levers
 from . import distributed, fast_run
 from .controls import ChunkCamera, Controls
-from .decode_worker import DecodeWorker, hand_over, same_device
+from .decode_worker import DecodeWorker, hand_over, queued_end, same_device
 from .planner import GIB, free_memory
 
 PLAY_WINDOW = (18, 6)  # (window, sink) for a model documented with an unbounded cache (v1 Fast)
@@ -172,6 +175,7 @@ class PlaySession:
         self._vae = self._model = self._dit = None
         self._session = self._camera = self._decoder = self._worker = None
         self._decoding = 0  # frames of the chunk in the decoder, not yet counted by step()
+        self._dit_done = None  # the event marking the end of the last chunk's DiT, its commit pass included
         self._prompt = self._pending_prompt = None
         self._restart = False
         self.image = None
@@ -392,10 +396,15 @@ class PlaySession:
                 self._session.set_context(self._context(prompt))
         if restart or self._session.done >= self._session.num_chunks:
             self._new_rollout()
-        t0 = self.clock()
+        t0 = self.clock()  # a chunk's seconds include the wait below
+        if self._dit_done is not None:
+            # the input is read once the GPU is free to act on it: queued behind the previous chunk's DiT (the host
+            # runs ahead of the GPU), a key would wait that long again before its chunk even started
+            self._dit_done.synchronize()
+        read = self.clock()
         first_latent = len(self._camera.track.poses)
         n = self._camera.slots_needed()
-        slots = self.controls.slots(t0, n)
+        slots = self.controls.slots(read, n)
         keys: dict[int, list[float]] = {}
         for t, slot in self.controls.landed:
             keys.setdefault(first_latent + (first_latent == 0) + slot, []).append(t)
@@ -404,8 +413,10 @@ class PlaySession:
         if self.ranks > 1:
             self._order(cam, changed)
         self._mid_chunk = True
-        latent, ready = hand_over(self._session.next_chunk(cam), self.decode_device)
-        self._mid_chunk = False
+        handed = []  # the latent goes to the decoder after the last step: the commit pass runs beside its decode
+        self._session.next_chunk(cam, lambda x0: handed.extend(hand_over(x0, self.decode_device)))
+        latent, ready = handed
+        self._mid_chunk, self._dit_done = False, queued_end(self.device)
         job = DecodeJob(self._decoder, latent, self.rollouts - 1, first_latent, poses, keys)
         self._worker.submit(job, ready)  # waits while the previous chunk is in the decoder
         count = VAE_STRIDE[0] * latent.shape[1] - (VAE_STRIDE[0] - 1) * (first_latent == 0)

@@ -263,8 +263,8 @@ def plan_request(
             swap_blocks=swap_blocks,
             ulysses_size=ulysses_size,
             # 'auto' never picks the lean blocks under fp8 attention (their plan has no room for its copies)
-            lean_activations=False if speed.attention == "fp8" else speed.lean_activations,
-            fp8_attention=speed.attention == "fp8",
+            lean_activations=False if speed.attention in attention.QUANTIZED else speed.lean_activations,
+            fp8_attention=speed.attention in attention.QUANTIZED,
         )
         memory_plan = memory.run(Planner(config, size, frames, request, tuple(image_hw), max_area))
         if swap_blocks == "auto" and memory.free_vram is not None:  # the least swapping that fits

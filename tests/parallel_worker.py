@@ -336,8 +336,8 @@ def recorded_chunks():
 
     made, real = [], FastSession.next_chunk
 
-    def next_chunk(self, cam=None):
-        out = real(self, cam)
+    def next_chunk(self, cam=None, on_latent=None):
+        out = real(self, cam, on_latent)
         made.append(out.clone())
         return out
 

@@ -524,3 +524,6 @@ def test_bench_play(tmp_path):
     assert s["shown_keys_measured"] >= 1 and s["shown_key_to_pixel_p50_s"] <= s["shown_key_to_pixel_p95_s"]
     assert s["shown_gap_p50_s"] <= s["shown_gap_max_s"] and s["client_gap_p50_s"] <= s["client_gap_max_s"]
     assert 0 <= s["pace_delay_p50_s"] <= s["pace_delay_max_s"]
+    # the steady figures start past the rollout's first 5 chunks (window 18 / 4): 4 chunks never get there
+    assert s["rollout_start_chunks"] == 5 and s["steady_client_fps"] is None
+    assert s["steady_s_per_chunk"] is None or s["steady_s_per_chunk"] > 0

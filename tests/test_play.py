@@ -10,6 +10,7 @@ from lingbot_world import cli
 from lingbot_world.loaders.fast_checkpoint import resolve_fast_dir
 from lingbot_world.session import play
 from lingbot_world.session.controls import MOVE_STEP, PoseTrack, Slot
+from lingbot_world.wan.fast import FastSession
 
 
 class Clock:
@@ -360,3 +361,53 @@ def test_compiled_play_traces_nothing_after_the_warm_up(fast_ckpt, image, traced
     finally:
         session.close()
     assert len(traced_chunk_blocks) == warm and session.rollouts == 2 and frames
+
+
+def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(fast_ckpt, image, monkeypatch):
+    """The host runs ahead of the GPU: a chunk's latent goes to the decoder as soon as its last step is queued
+    (its decode runs beside the commit pass), and the next chunk's input is read only after the previous chunk's
+    DiT end, commit included, was waited for, so a key does not sit behind a DiT already queued."""
+    order = []
+
+    class Event:
+        def __init__(self, what):
+            self.what = what
+
+        def synchronize(
+            self,
+        ):  # the decode worker waits on the hand-over's: the caller's waits are the ones here
+            if threading.current_thread() is threading.main_thread():
+                order.append(("waited", self.what))
+
+    handed = play.hand_over
+
+    def hand_over(tensor, device):
+        order.append(("handed over",))
+        return handed(tensor, device)[0], Event("hand-over")
+
+    forward = FastSession._forward
+
+    def recorded(self, *args):
+        order.append(("forward",))
+        return forward(self, *args)
+
+    monkeypatch.setattr(play, "hand_over", hand_over)
+    monkeypatch.setattr(play, "queued_end", lambda device: Event("dit end"))
+    monkeypatch.setattr(FastSession, "_forward", recorded)
+    session = make_session(fast_ckpt, [], Clock(), overlap=True)
+    slots = session.controls.slots
+    try:
+        session.start(image, "a castle")
+        monkeypatch.setattr(session.controls, "slots", lambda *a: order.append(("input",)) or slots(*a))
+        order.clear()
+        for _ in range(3):
+            session.step()
+        session.flush()
+    finally:
+        session.close()
+    steps = len(session.config.timestep_index)
+    chunk = [("forward",)] * steps + [
+        ("handed over",),
+        ("forward",),
+    ]  # the last step, the hand-over, the commit
+    assert order == [("input",), *chunk] + [("waited", "dit end"), ("input",), *chunk] * 2

@@ -8,6 +8,8 @@ fp8 backend, takes e4m3 as it is) and returns [L_q, heads, head_dim] in that dty
 - ``sage``: SageAttention's quantized kernel (needs the ``sageattention`` package and a CUDA device).
 - ``fp8``: cuDNN's fp8 attention (`wan.fp8_attention`; a CUDA GPU with fp8 tensor cores and the
   ``nvidia-cudnn-frontend`` package) for self-attention, SDPA for the text's short key set. Lossy.
+- ``fa3`` / ``fa3_fp8``: FlashAttention-3's Hopper kernels in the compute dtype / in e4m3 with a scale per head
+  (`wan.fa3_attention`; an H100-class GPU and the ``flash_attn_3`` package). ``fa3_fp8`` is lossy.
 - anything a host registers: `register(name, fn)` for a backend with our signature, or
   `register_comfy(name, fn)` for a function with ComfyUI's ``optimized_attention`` signature
   ``fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False)``
@@ -25,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from . import fp8_attention
+from . import fa3_attention, fp8_attention
 
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
@@ -77,7 +79,16 @@ def comfy_style(fn: Callable) -> Backend:
     return run
 
 
-_BACKENDS: dict[str, Backend] = {"sdpa": sdpa, "sage": sage, "fp8": fp8}
+_BACKENDS: dict[str, Backend] = {
+    "sdpa": sdpa,
+    "sage": sage,
+    "fp8": fp8,
+    "fa3": fa3_attention.attention,
+    "fa3_fp8": fa3_attention.attention_fp8,
+}
+BUILT_IN = tuple(_BACKENDS)  # the choices the CLI and the Speed node offer
+# backends that make e4m3 copies of q, k and v beside a block's attention (the memory plan counts them)
+QUANTIZED = ("fp8", "fa3_fp8")
 _active: Backend = sdpa
 
 
@@ -118,6 +129,8 @@ def problem(name: str, device) -> str | None:
         return f"attention backend must be one of {names()}, got {name!r}"
     if backend is fp8:
         return fp8_attention.attention_problem(device)
+    if backend in (fa3_attention.attention, fa3_attention.attention_fp8):
+        return fa3_attention.problem(name, device)
     if backend is sage:
         try:
             _sageattn()

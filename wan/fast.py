@@ -33,6 +33,7 @@ holds those heads only (1/N of the cache per rank); the text keys, per token wor
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -545,8 +546,10 @@ class FastSession:
         return cam.to(self.device)
 
     @torch.no_grad()
-    def next_chunk(self, cam=None) -> torch.Tensor:
-        """Denoise the next chunk (4 steps + the commit pass); returns its clean latent [16, chunk, h, w] fp32."""
+    def next_chunk(self, cam=None, on_latent: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Denoise the next chunk (4 steps + the commit pass); returns its clean latent [16, chunk, h, w] fp32.
+        `on_latent(latent)` is called with it once its last step is queued, before the commit pass (which only
+        refreshes the cache from it), so a consumer on another stream can start on it that much earlier."""
         if self._closed:
             raise RuntimeError("this FastSession is closed (finished, failed or interrupted)")
         if self.done >= self.num_chunks:
@@ -571,6 +574,8 @@ class FastSession:
                 sigma = self._sigma_next[j]
                 eps = torch.randn(x0.shape, generator=self.generator, device=self.device, dtype=x0.dtype)
                 latent = (1 - sigma) * x0 + sigma * eps
+            if on_latent is not None:
+                on_latent(x0)
             self.hooks.check()
             if not self._skip_commit:
                 self._forward(x0, self._t[-1], k, cam_tokens)  # output discarded: refreshes the cache

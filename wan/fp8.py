@@ -13,6 +13,8 @@ import functools
 import torch
 from torch import nn
 
+from .devices import card_problem
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_SUFFIX = "_scale"  # '<layer>.weight_scale' beside '<layer>.weight'
@@ -70,14 +72,14 @@ def quantize_layer_(layer: nn.Linear) -> None:
 
 def fp8_problem(device) -> str | None:
     """Why fp8 linears cannot run on `device` (None: they can), naming the fallback."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return (
+    return card_problem(
+        device,
+        lambda kind: (
             f"fp8 linears need a CUDA GPU with fp8 tensor cores (compute capability 8.9+: Ada, Hopper, "
-            f"Blackwell); this run is on {device.type}. Instead: {FALLBACK}"
-        )
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_problem(index)
+            f"Blackwell); this run is on {kind}. Instead: {FALLBACK}"
+        ),
+        _cuda_problem,
+    )
 
 
 @functools.cache

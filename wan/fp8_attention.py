@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from .devices import card_problem, cuda_index
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 P_SCALE = FP8_MAX  # the probabilities' scale (they are <= 1 before the softmax's division)
@@ -199,7 +201,7 @@ def _build(cudnn, handle, heads: int, lq: int, lk: int, d: int):
 def _cudnn_attention(q, k, v, q_scale, k_scale, v_scale, o_scale) -> torch.Tensor:
     cudnn = _frontend()
     q, k, v = (t.contiguous() for t in (q, k, v))
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    index = cuda_index(q.device)
     lq, heads, d = q.shape
     graph = _KERNELS.graph(cudnn, index, heads, lq, k.shape[0], d)
     handle = _KERNELS.handle(cudnn, index)
@@ -231,14 +233,14 @@ def _cudnn_attention(q, k, v, q_scale, k_scale, v_scale, o_scale) -> torch.Tenso
 
 def attention_problem(device) -> str | None:
     """Why fp8 attention cannot run on `device` (None: it can), naming the fallback."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return (
+    return card_problem(
+        device,
+        lambda kind: (
             "attention 'fp8' runs cuDNN's fp8 attention on a CUDA GPU with fp8 tensor cores (Hopper or newer); "
-            f"this run is on {device.type}. Instead: {FALLBACK}"
-        )
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_problem(index)
+            f"this run is on {kind}. Instead: {FALLBACK}"
+        ),
+        _cuda_problem,
+    )
 
 
 @functools.cache

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import attention
+
 log = logging.getLogger("LingBot-World")
 
 CACHES = (None, "easycache")
@@ -69,7 +71,7 @@ class SpeedOptions:
             raise ValueError(
                 "lean_activations: the lean blocks do not run compiled; turn off compile or lean_activations"
             )
-        if self.attention == "fp8" and self.lean_activations is True:
+        if self.attention in attention.QUANTIZED and self.lean_activations is True:
             raise ValueError(
                 "lean_activations: the lean blocks' memory plan has no room for fp8 attention's quantized q/k/v "
                 "copies; turn off lean_activations or use attention sdpa"

@@ -1,0 +1,173 @@
+"""FlashAttention-3 (`--attention fa3` / `fa3_fp8`): our adapter around its `flash_attn_interface` (layout,
+per-head fp8 scales, an fp8 cache's values as stored, short key sets), checked against a stand-in module that
+records every call and computes what FA3 computes from what it is handed; the refusals where FA3 cannot run
+(no CUDA here; another card; the package missing), in the CLI and the Speed node; the memory plan's copies."""
+
+import sys
+import types
+
+import pytest
+import torch
+from helpers import expect_clear_error, fast_args
+from lingbot_world import cli
+from lingbot_world.wan import attention, fa3_attention, fp8_attention
+
+FP8 = torch.float8_e4m3fn
+
+
+class RecordingFA3(types.ModuleType):
+    """`flash_attn_interface` as our adapter uses it: `flash_attn_func(q, k, v, q_descale=, k_descale=,
+    v_descale=)` on [batch, tokens, heads, d]; fp8 inputs are dequantized with their [batch, heads] descales and
+    the output is bf16, as FA3 gives it. Records each call's dtypes, shapes and descales."""
+
+    def __init__(self):
+        super().__init__("flash_attn_interface")
+        self.calls = []
+
+    def flash_attn_func(self, q, k, v, q_descale=None, k_descale=None, v_descale=None):
+        self.calls.append(
+            {
+                "dtypes": (q.dtype, k.dtype, v.dtype),
+                "shapes": (q.shape, k.shape, v.shape),
+                "descales": (q_descale, k_descale, v_descale),
+                "inputs": (q, k, v),
+            }
+        )
+        fp8 = q.dtype == FP8
+        if fp8:
+            q, k, v = (
+                t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
+            )
+        o = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
+        o = o.transpose(1, 2)
+        return (o.to(torch.bfloat16) if fp8 else o.to(q.dtype)), None  # (out, softmax_lse) as some builds do
+
+
+@pytest.fixture
+def fa3(monkeypatch):
+    module = RecordingFA3()
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
+    return module
+
+
+def qkv(lq=24, lk=fp8_attention.MIN_KEYS, heads=3, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(n, heads, d, generator=g) for n in (lq, lk, lk))
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_fa3_hands_its_layout_over_and_returns_ours(fa3):
+    q, k, v = qkv()
+    out = attention.resolve("fa3")(q, k, v, torch.bfloat16)
+    (call,) = fa3.calls
+    assert call["shapes"] == ((1, 24, 3, 16), (1, 2048, 3, 16), (1, 2048, 3, 16))
+    assert call["dtypes"] == (torch.bfloat16,) * 3 and call["descales"] == (None,) * 3
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, attention.sdpa(q, k, v, torch.bfloat16), atol=1e-2, rtol=1e-2)
+    # FA3 has no fp32 kernel: an fp32 model's attention runs in bf16 and comes back in fp32
+    out = attention.resolve("fa3")(q, k, v, torch.float32)
+    assert fa3.calls[-1]["dtypes"] == (torch.bfloat16,) * 3 and out.dtype == torch.float32
+    assert rel(out, attention.sdpa(q, k, v, torch.float32)) < 1e-2
+
+
+def test_fa3_fp8_scales_each_head_apart(fa3):
+    q, k, v = qkv()
+    for t in (q, k, v):
+        t[:, 1] *= 1e-3  # one quiet head: a scale for the whole tensor would leave its codes subnormal
+    out = attention.resolve("fa3_fp8")(q, k, v, torch.bfloat16)
+    (call,) = fa3.calls
+    assert call["dtypes"] == (FP8,) * 3
+    for t, codes, scale in zip((q, k, v), call["inputs"], call["descales"], strict=True):
+        assert scale.shape == (1, 3) and scale.dtype == torch.float32
+        torch.testing.assert_close(scale[0], t.abs().amax(dim=(0, 2)) / fp8_attention.FP8_MAX)
+        assert codes[0].float().abs().amax(dim=(0, 2)).tolist() == [448.0] * 3  # every head uses e4m3's range
+    exact = attention.sdpa(q, k, v, torch.float32)
+    assert out.dtype == torch.bfloat16
+    for head in range(3):  # each head as close as fp8's 3 mantissa bits allow, the quiet ones too
+        assert rel(out[:, head], exact[:, head]) < 0.08, head
+
+
+def test_fa3_fp8_takes_an_fp8_cache_as_stored(fa3):
+    q, k, v = qkv()
+    k8, v8 = k.to(FP8), v.to(FP8)
+    attention.resolve("fa3_fp8")(q, k8, v8, torch.bfloat16)
+    (call,) = fa3.calls
+    assert (
+        call["inputs"][1][0].data_ptr() == k8.data_ptr() and call["inputs"][2][0].data_ptr() == v8.data_ptr()
+    )
+    assert call["descales"][1].tolist() == [[1.0] * 3] and call["descales"][2].tolist() == [[1.0] * 3]
+
+
+def test_fa3_fp8_leaves_short_key_sets_unquantized(fa3):
+    q, k, v = qkv(lk=fp8_attention.MIN_KEYS - 1)
+    attention.resolve("fa3_fp8")(q, k, v, torch.bfloat16)
+    (call,) = fa3.calls
+    assert call["dtypes"] == (torch.bfloat16,) * 3 and call["descales"] == (None,) * 3
+
+
+def test_fa3_refused_where_it_cannot_run(monkeypatch):
+    for name in ("fa3", "fa3_fp8"):
+        problem = attention.problem(name, "cpu")
+        assert f"attention '{name}' runs FlashAttention-3's kernels on a Hopper GPU" in problem
+        assert "this run is on cpu" in problem and "--attention sdpa" in problem or "sdpa (exact)" in problem
+    check = fa3_attention._cuda_problem.__wrapped__  # the card checks, without the process-wide cache
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA L40S")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 9))
+    problem = check("fa3_fp8", 0)
+    assert "compute capability 9.0" in problem and "NVIDIA L40S is 8.9" in problem
+    assert "use --attention fp8 (cuDNN's fp8 attention) or sdpa" in problem
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # not installed: import fails
+    problem = check("fa3", 0)
+    assert "flash_attn_3" in problem and "flash_attn_interface" in problem and "--attention sdpa" in problem
+
+
+def test_cli_offers_every_built_in_backend_and_refuses_fa3_on_cpu(
+    fast_ckpt, shipped_example, tmp_path, capsys, nothing_loads
+):
+    assert cli.ATTENTION_CHOICES == attention.BUILT_IN  # the parser's list, written out to keep torch out
+    out = tmp_path / "o.mp4"
+    for name in ("fa3", "fa3_fp8"):
+        args = fast_args(fast_ckpt, shipped_example, out, "--attention", name)
+        expect_clear_error(
+            capsys, args, out, f"--attention: attention '{name}' runs FlashAttention-3", "sdpa"
+        )
+
+
+def test_speed_node_offers_fa3_and_refuses_it_on_cpu(fast_ckpt, shipped_example, tmp_path, fake_comfy):
+    from helpers import fast_sample, node_inputs
+    from lingbot_world.loaders.fast_checkpoint import FAST_DIR
+
+    nodes = fake_comfy(fast_ckpt, tmp_path)
+    choices, _ = nodes.LingBotSpeed.INPUT_TYPES()["required"]["attention"]
+    assert {"fa3", "fa3_fp8"} <= set(choices)
+    (speed,) = nodes.LingBotSpeed().options("fa3_fp8", False, "none", 0.05, 7, 1)
+    text, vae, _, image = node_inputs(nodes, shipped_example)
+    (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
+    with pytest.raises(
+        ValueError, match="speed attention: attention 'fa3_fp8' runs FlashAttention-3.*pick fp8"
+    ):
+        fast_sample(nodes, model, vae, image, text=text, speed=speed)
+
+
+def test_fa3_fp8_copies_are_planned_as_fp8_attention():
+    """fa3_fp8 makes the same e4m3 copies of q, k and v as cuDNN's fp8 attention: the chunk loop's plan and the
+    base-cam request count them; fa3 (bf16) makes none."""
+    from lingbot_world.session import fast_run
+    from lingbot_world.wan.config import CHUNKED_KINDS
+    from lingbot_world.wan.fast import FastConfig
+    from lingbot_world.wan.speed import SpeedOptions
+
+    kind = CHUNKED_KINDS["v2-1.3b"]
+    model = fast_run.ChunkedModel.of_kind(kind)
+
+    def forward(**settings):
+        config = FastConfig.for_kind(kind, **settings)
+        return fast_run.fast_memory(model, (28, 58, 104), config, None, 0, "auto").work_forward
+
+    assert forward(attention="fa3_fp8") == forward(attention="fp8") > forward(attention="fa3") == forward()
+    with pytest.raises(ValueError, match="no room for fp8 attention's quantized"):
+        SpeedOptions(attention="fa3_fp8", lean_activations=True)

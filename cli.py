@@ -566,8 +566,8 @@ ATTENTION_HELP = (
     "(cuDNN's fp8 attention: q, k, v, the softmax probabilities and the output in e4m3; a CUDA GPU with fp8 "
     "tensor cores, Hopper or newer, and the nvidia-cudnn-frontend package; faster, not exact), fa3 "
     "(FlashAttention-3's bf16 kernel: an H100/H200 and the flash_attn_3 package, built from flash-attention's "
-    "hopper/ directory) or fa3_fp8 (its fp8 kernel: q, k, v in e4m3 with a scale per head, bf16 output; the "
-    "fastest on Hopper, not exact)"
+    "hopper/ directory) or fa3_fp8 (its fp8 kernel: q, k, v in e4m3 with a scale per head, bf16 output; "
+    "faster, not exact)"
 )
 
 
@@ -580,7 +580,8 @@ def add_attention_arg(p) -> None:
 
 
 def check_attention(args, device) -> None:
-    """--attention that cannot run on `device` (fp8 off a Hopper-class GPU): one clear error before loading."""
+    """--attention that cannot run on `device` (fp8 off an fp8-capable GPU, fa3 off a Hopper, a missing package):
+    one clear error before loading."""
     from .wan import attention
 
     problem = attention.problem(args.attention, device)

@@ -546,23 +546,19 @@ def _backend(name, q, k, v):
 
 
 def fa3_operands(name, q, k, v) -> dict:
-    """FA3's arguments for [1, heads, L, d] q, k, v: its [1, L, heads, d] layout; 'fa3_fp8': e4m3 codes with a
-    scale per head (`fa3_attention.head_quantize`), quantized beforehand."""
-    tensors = [t[0].transpose(0, 1) for t in (q, k, v)]
+    """FA3's arguments for [1, heads, L, d] q, k, v: [L, heads, d] contiguous, as the blocks hand them over;
+    'fa3_fp8': e4m3 codes with a scale per head (`fa3_attention.head_quantize`), quantized beforehand."""
+    tensors = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
     if name == "fa3":
-        return {"tensors": [t[None].contiguous() for t in tensors], "descales": {}}
+        return {"tensors": tensors, "descales": {}}
     quantized = [fa3_attention.head_quantize(t) for t in tensors]
     descales = dict(zip(("q_descale", "k_descale", "v_descale"), (s for _, s in quantized), strict=True))
-    return {"tensors": [c[None] for c, _ in quantized], "descales": descales}
+    return {"tensors": [c for c, _ in quantized], "descales": descales}
 
 
 def _fa3_kernel(operands, *_):
     """FA3's kernel alone on prepared operands (`fa3_operands`), its output in SDPA's layout."""
-    from flash_attn_interface import flash_attn_func
-
-    out = flash_attn_func(*operands["tensors"], **operands["descales"])
-    out = out[0] if isinstance(out, tuple) else out
-    return out.transpose(1, 2)
+    return fa3_attention.flash(*operands["tensors"], **operands["descales"]).transpose(0, 1)[None]
 
 
 def _fp8_kernel(codes, *_):

@@ -513,9 +513,8 @@ def fast_memory(
     # measured on the A14B; a narrower model's activations scale with its widths (the larger ratio)
     scale = max(cfg.dim / A14B.dim, cfg.ffn_dim / A14B.ffn_dim)
     forward = int(tokens * FAST_CHUNK_PER_TOKEN * scale)
-    if (
-        config.attention in attention.QUANTIZED
-    ):  # its copies of q (and of the window's k/v, unless the cache holds e4m3)
+    if config.attention in attention.QUANTIZED:
+        # its copies of q (and of the window's k/v, unless the cache holds e4m3)
         kv_tokens = tokens // chunk * cache_frames(lat_f, config)
         forward += fp8_attention_vram(
             tokens, kv_tokens, cfg.dim, ranks, config.kv_dtype == torch.float8_e4m3fn

@@ -109,20 +109,36 @@ def test_fa3_fp8_leaves_short_key_sets_unquantized(fa3):
 
 
 def test_fa3_refused_where_it_cannot_run(monkeypatch):
-    for name in ("fa3", "fa3_fp8"):
+    for name in (
+        "fa3",
+        "fa3_fp8",
+    ):  # on the CPU: SDPA is the one fallback (cuDNN's fp8 attention cannot run either)
         problem = attention.problem(name, "cpu")
         assert f"attention '{name}' runs FlashAttention-3's kernels on a Hopper GPU" in problem
-        assert "this run is on cpu" in problem and "--attention sdpa" in problem or "sdpa (exact)" in problem
+        assert "this run is on cpu" in problem and problem.endswith(
+            "Instead: use --attention sdpa (PyTorch's kernels, exact)"
+        )
     check = fa3_attention._cuda_problem.__wrapped__  # the card checks, without the process-wide cache
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA L40S")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 9))
+    fp8_runs = {"cuda:0": None}  # where cuDNN's fp8 attention runs, fa3_fp8 names it as well
+    monkeypatch.setattr(fp8_attention, "attention_problem", lambda device: fp8_runs.get(str(device), "no"))
     problem = check("fa3_fp8", 0)
     assert "compute capability 9.0" in problem and "NVIDIA L40S is 8.9" in problem
-    assert "use --attention fp8 (cuDNN's fp8 attention) or sdpa" in problem
+    assert problem.endswith("Instead: use --attention fp8 (cuDNN's fp8 attention) or sdpa (exact)")
+    assert check("fa3", 0).endswith(
+        "Instead: use --attention sdpa (PyTorch's kernels, exact)"
+    )  # fa3 is exact
+    fp8_runs.clear()
+    assert check("fa3_fp8", 0).endswith("Instead: use --attention sdpa (PyTorch's kernels, exact)")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # not installed: import fails
     problem = check("fa3", 0)
     assert "flash_attn_3" in problem and "flash_attn_interface" in problem and "--attention sdpa" in problem
+    with pytest.raises(
+        RuntimeError, match="flash_attn_3"
+    ):  # `use` asks for the package before the first block
+        attention.resolve("fa3_fp8")
 
 
 def test_cli_offers_every_built_in_backend_and_refuses_fa3_on_cpu(
@@ -148,7 +164,7 @@ def test_speed_node_offers_fa3_and_refuses_it_on_cpu(fast_ckpt, shipped_example,
     text, vae, _, image = node_inputs(nodes, shipped_example)
     (model,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0)
     with pytest.raises(
-        ValueError, match="speed attention: attention 'fa3_fp8' runs FlashAttention-3.*pick fp8"
+        ValueError, match="speed attention: attention 'fa3_fp8' runs FlashAttention-3.*pick sdpa"
     ):
         fast_sample(nodes, model, vae, image, text=text, speed=speed)
 

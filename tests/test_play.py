@@ -392,7 +392,9 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(f
         return forward(self, *args)
 
     monkeypatch.setattr(play, "hand_over", hand_over)
-    monkeypatch.setattr(play, "queued_end", lambda device: Event("dit end"))
+    monkeypatch.setattr(
+        play, "queued_end", lambda device: order.append(("dit end recorded",)) or Event("dit end")
+    )
     monkeypatch.setattr(FastSession, "_forward", recorded)
     session = make_session(fast_ckpt, [], Clock(), overlap=True)
     slots = session.controls.slots
@@ -406,8 +408,6 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(f
     finally:
         session.close()
     steps = len(session.config.timestep_index)
-    chunk = [("forward",)] * steps + [
-        ("handed over",),
-        ("forward",),
-    ]  # the last step, the hand-over, the commit
+    # the steps, the hand-over, the commit, then the event the next chunk's input waits for
+    chunk = [("forward",)] * steps + [("handed over",), ("forward",), ("dit end recorded",)]
     assert order == [("input",), *chunk] + [("waited", "dit end"), ("input",), *chunk] * 2

@@ -118,6 +118,8 @@ def resolve(name: str) -> Backend:
         raise ValueError(f"attention backend must be one of {names()}, got {name!r}")
     if name == "sage" and _BACKENDS[name] is sage:
         _sageattn()  # fail now, naming the package, rather than inside the first block
+    if _BACKENDS[name] in (fa3_attention.attention, fa3_attention.attention_fp8):
+        fa3_attention.interface()
     return _BACKENDS[name]
 
 

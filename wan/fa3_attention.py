@@ -12,8 +12,8 @@ is not on PyPI).
   Short key sets (the text's 512 in cross-attention) run ``fa3``: the quantization would cost more than it saves.
   Lossy: the benchmark reports the deviation.
 
-FA3's own entry point is a registered custom op with a fake implementation, so compiled blocks trace through it
-without a graph break. FA3 runs on compute capability 9.0 only (H100, H200, H20); `problem` refuses it elsewhere
+FA3 3.0's entry point is a registered custom op with a fake implementation, so compiled blocks trace through it
+without a graph break (an older build that calls its extension directly would break the graph there). FA3 runs on compute capability 9.0 only (H100, H200, H20); `problem` refuses it elsewhere
 and names the fallback.
 """
 
@@ -22,19 +22,16 @@ import importlib
 
 import torch
 
+from . import fp8_attention
 from .devices import card_problem
-from .fp8_attention import FP8, FP8_MAX, MIN_KEYS
+from .fp8_attention import MIN_KEYS
 
 MODULE = "flash_attn_interface"
 PACKAGE = "flash_attn_3 (FlashAttention-3, built from flash-attention's hopper/ directory)"
-FALLBACK = {
-    "fa3": "use --attention sdpa (PyTorch's kernels, exact)",
-    "fa3_fp8": "use --attention fp8 (cuDNN's fp8 attention) or sdpa (exact)",
-}
-_TINY = 1e-12  # an all-zero head gets this amax: scale > 0, codes 0
+EXACT = "use --attention sdpa (PyTorch's kernels, exact)"
 
 
-def _interface():
+def interface():
     try:
         return importlib.import_module(MODULE)
     except (ImportError, OSError) as err:
@@ -43,20 +40,13 @@ def _interface():
         ) from err
 
 
-def head_quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [L, heads, d], fp32 [1, heads] scales) with one scale per head: t ~= codes * scale. An e4m3
-    tensor (an fp8 K/V cache's keys) is its own codes at scale 1: no pass over it."""
-    heads = t.shape[1]
-    if t.dtype == FP8:
-        return t.contiguous(), torch.ones(1, heads, device=t.device)
-    scale = t.detach().abs().amax(dim=(0, 2)).float().clamp_min(_TINY) / FP8_MAX  # [heads]
-    codes = (t.float() / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scale.reshape(1, heads)
+# (e4m3 codes [L, heads, d], fp32 [1, heads] scales): one scale per head, an fp8 cache's values as stored
+head_quantize = functools.partial(fp8_attention.quantize, per_head=True)
 
 
-def _run(q, k, v, **descales) -> torch.Tensor:
+def flash(q, k, v, **descales) -> torch.Tensor:
     """FA3 over [L, heads, d] (batch 1); its output [Lq, heads, d]."""
-    out = _interface().flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **descales)
+    out = interface().flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **descales)
     out = out[0] if isinstance(out, tuple) else out  # some versions return (out, softmax_lse)
     return out[0]
 
@@ -68,7 +58,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dt
     """The ``fa3`` backend: inputs cast to `dtype` (bf16 where `dtype` is not a half type; an fp8 cache's values
     too), [Lq, heads, d] out in `dtype`."""
     work = dtype if dtype in HALF else torch.bfloat16
-    return _run(*(t.to(work) for t in (q, k, v))).to(dtype)
+    return flash(*(t.to(work) for t in (q, k, v))).to(dtype)
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,16 +66,25 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torc
     if k.shape[0] < MIN_KEYS:
         return attention(q, k, v, dtype)
     (q8, qs), (k8, ks), (v8, vs) = (head_quantize(t) for t in (q, k, v))
-    return _run(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs).to(dtype)
+    return flash(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs).to(dtype)
+
+
+def fallback(name: str, device) -> str:
+    """What to use instead of backend `name` on `device`: SDPA, and for an fp8 backend cuDNN's fp8 attention where
+    that runs."""
+    if name.endswith("fp8") and fp8_attention.attention_problem(device) is None:
+        return "use --attention fp8 (cuDNN's fp8 attention) or sdpa (exact)"
+    return EXACT
 
 
 def problem(name: str, device) -> str | None:
-    """Why backend `name` ('fa3' or 'fa3_fp8') cannot run on `device` (None: it can), naming the fallback."""
+    """Why FlashAttention-3 backend `name` ('fa3' or 'fa3_fp8') cannot run on `device` (None: it can), naming the
+    fallback."""
     return card_problem(
         device,
         lambda kind: (
             f"attention '{name}' runs FlashAttention-3's kernels on a Hopper GPU (compute capability 9.0); this "
-            f"run is on {kind}. Instead: {FALLBACK[name]}"
+            f"run is on {kind}. Instead: {fallback(name, kind)}"
         ),
         functools.partial(_cuda_problem, name),
     )
@@ -93,22 +92,27 @@ def problem(name: str, device) -> str | None:
 
 @functools.cache
 def _cuda_problem(name: str, index: int) -> str | None:
+    instead = fallback(name, f"cuda:{index}")
     card = torch.cuda.get_device_name(index)
     major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) != (9, 0):
         return (
             f"attention '{name}': FlashAttention-3 runs on Hopper GPUs (compute capability 9.0) only; {card} is "
-            f"{major}.{minor}. Instead: {FALLBACK[name]}"
+            f"{major}.{minor}. Instead: {instead}"
         )
     try:
-        _interface()
+        interface()
     except RuntimeError as err:
-        return f"attention '{name}': {err}. Instead: {FALLBACK[name]}"
-    try:  # a build may leave out a dtype or head size: run the model's (head_dim 128) once
+        return f"attention '{name}': {err}. Instead: {instead}"
+    try:  # a build may leave out a dtype or head size: the model's (head_dim 128) kernels once
         x = torch.ones(MIN_KEYS, 1, 128, device=f"cuda:{index}")
-        (attention_fp8 if name == "fa3_fp8" else attention)(x, x, x, torch.bfloat16)
+        attention(x, x, x, torch.bfloat16)  # bf16: fa3, and fa3_fp8's short key sets
+        if name == "fa3_fp8":
+            attention_fp8(x, x, x, torch.bfloat16)
         torch.cuda.synchronize(index)
     except Exception as err:  # the extension declines in several exception types
         first = (str(err).strip().splitlines() or [""])[0][:300]
-        return f"attention '{name}': this FlashAttention-3 build does not run here ({first}). Instead: {FALLBACK[name]}"
+        return (
+            f"attention '{name}': this FlashAttention-3 build does not run here ({first}). Instead: {instead}"
+        )
     return None

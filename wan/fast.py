@@ -549,7 +549,8 @@ class FastSession:
     def next_chunk(self, cam=None, on_latent: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Denoise the next chunk (4 steps + the commit pass); returns its clean latent [16, chunk, h, w] fp32.
         `on_latent(latent)` is called with it once its last step is queued, before the commit pass (which only
-        refreshes the cache from it), so a consumer on another stream can start on it that much earlier."""
+        refreshes the cache from it), so a consumer on another stream can start on it that much earlier: it must
+        only read it, and order its reads after an event it records in the call (`decode_worker.hand_over`)."""
         if self._closed:
             raise RuntimeError("this FastSession is closed (finished, failed or interrupted)")
         if self.done >= self.num_chunks:

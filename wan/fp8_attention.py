@@ -43,15 +43,20 @@ def amax_scale(t: torch.Tensor) -> torch.Tensor:
     return (src.abs().amax().float().clamp_min(_TINY) / FP8_MAX).reshape(1)
 
 
-def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes, fp32 [1] scale) of `t` with one scale for the whole tensor: t ~= codes * scale. An e4m3
-    tensor (an fp8 K/V cache's keys) is its own codes at scale 1: no pass over it."""
+def quantize(t: torch.Tensor, per_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes, fp32 scale) of `t` with one scale for the whole tensor (scale [1]) or, `per_head`, one per
+    head of [L, heads, d] (scale [1, heads], as FlashAttention-3 takes its descales): t ~= codes * scale. An
+    e4m3 tensor (an fp8 K/V cache's keys) is its own codes at scale 1: no pass over it."""
+    shape = (1, t.shape[1]) if per_head else (1,)
     if t.dtype == FP8:
-        return t.contiguous(), torch.ones(1, device=t.device)
-    scale = amax_scale(t)
+        return t.contiguous(), torch.ones(shape, device=t.device)
+    if per_head:
+        scale = t.detach().abs().amax(dim=(0, 2)).float().clamp_min(_TINY) / FP8_MAX
+    else:
+        scale = amax_scale(t)
     work = t.to(torch.float32, copy=True)  # the one fp32 copy (eager), divided and clamped in place
-    codes = work.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
-    return codes, scale
+    codes = work.div_(scale[:, None] if per_head else scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
+    return codes, scale.reshape(shape)
 
 
 def reference(q, k, v, q_scale, k_scale, v_scale, o_scale) -> torch.Tensor:

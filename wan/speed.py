@@ -1,7 +1,8 @@
 """Speed settings of the sampling loop, in one place, and what they do to an expert.
 
 `SpeedOptions()` (every option off) is today's code path, bit for bit. The options:
-- ``attention``: a backend of `wan.attention` ('sdpa' default, 'sage', or one a host registered);
+- ``attention``: a backend of `wan.attention` ('sdpa' default, 'sage', 'fp8', 'fa3', 'fa3_fp8', or one a host
+  registered);
 - ``compile``: regional `torch.compile` of the DiT blocks: one compiled function runs every block,
   so all 40 blocks (and both experts) share its graphs; no recompiles per block or per step. Falls
   back to eager with one log line when the compiler toolchain is missing or fails;
@@ -74,7 +75,7 @@ class SpeedOptions:
         if self.attention in attention.QUANTIZED and self.lean_activations is True:
             raise ValueError(
                 "lean_activations: the lean blocks' memory plan has no room for fp8 attention's quantized q/k/v "
-                "copies; turn off lean_activations or use attention sdpa"
+                "copies; turn off lean_activations or use attention sdpa (or fa3)"
             )
         for name in ("cache_keep_first", "cache_keep_last"):
             value = getattr(self, name)

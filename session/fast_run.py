@@ -664,18 +664,19 @@ def check_devices(
     tile,
     vae_dtype: str,
     device: torch.device,
-    decode_device: torch.device,
+    decode_device: torch.device | None,
     free: Callable,
     overlap: bool | None = None,
     ranks: int = 1,
 ) -> bool:
     """The memory check of a chunked run that decodes each chunk (`play`, `fast`), before anything loads: the
     DiT's `device`, with the VAE where `decode_device` is the same one (`vae_where`), and a `decode_device` of
-    its own with the VAE (`decode_fit_issue`); ValueError naming the device that would not fit. `free(device)`:
+    its own with the VAE (`decode_fit_issue`), None where this process holds no VAE (a sequence-parallel
+    follower); ValueError naming the device that would not fit. `free(device)`:
     (free VRAM, available host RAM) as `planner.free_memory`. `overlap`: each chunk decodes beside the next
     chunk's forward (a `DecodeWorker`); None: on with the decode device apart, on one GPU where the plan fits
     both side by side (else one after the other), off on the CPU. Returns `overlap` as decided."""
-    apart = not same_device(device, decode_device)
+    apart = decode_device is None or not same_device(device, decode_device)
     auto = overlap is None and not apart and device.type == "cuda"
     overlap = apart if overlap is None else overlap
     if device.type == "cuda":
@@ -703,7 +704,7 @@ def check_devices(
             issue = fit_issue(overlap)
         if issue is not None:
             raise ValueError(f"memory on {device} (the DiT): {issue}" if apart else f"memory: {issue}")
-    if apart and decode_device.type == "cuda":
+    if apart and decode_device is not None and decode_device.type == "cuda":
         vram, _ = free(decode_device)
         issue = decode_fit_issue(lat_shape, config.chunk_frames, tile, vae_dtype, vram)
         if issue is not None:

@@ -232,16 +232,23 @@ class PlaySession:
         shape = (self._plan_frames(), lat_h, lat_w)
         return self.files, shape, self.config, self.quantize, self.swap, self.tile, self.vae_dtype
 
+    @property
+    def _vae_device(self) -> torch.device | None:
+        """Where this process holds the VAE: `decode_device` on rank 0, nowhere on a sequence-parallel follower."""
+        return self.decode_device if self.lead else None
+
     def memory(self, image: torch.Tensor) -> fast_run.FastMemory:
         """The predicted memory of the DiT's device; `decode_memory` gives the decode device's when it is
         another."""
+        elsewhere = self._vae_device is None or self.apart
         return fast_run.fast_memory(
-            *self._plan(image), **fast_run.vae_where(self.apart, self.overlap), ranks=self.ranks
+            *self._plan(image), **fast_run.vae_where(elsewhere, self.overlap), ranks=self.ranks
         )
 
     def decode_memory(self, image: torch.Tensor) -> int | None:
-        """The decode device's predicted peak (bytes), None when it is the DiT's (counted in `memory`)."""
-        if not self.apart:
+        """The decode device's predicted peak (bytes), None when it is the DiT's (counted in `memory`) or this
+        process holds no VAE (a sequence-parallel follower)."""
+        if not self.apart or self._vae_device is None:
             return None
         return fast_run.decode_memory(self._plan(image)[1], self.chunk, self.tile, self.vae_dtype)
 
@@ -251,7 +258,7 @@ class PlaySession:
         self.overlap = fast_run.check_devices(
             *self._plan(image),
             self.device,
-            self.decode_device,
+            self._vae_device,
             free_memory,
             None if self._overlap_auto else self.overlap,
             self.ranks,

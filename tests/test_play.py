@@ -411,3 +411,21 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(f
     # the steps, the hand-over, the commit, then the event the next chunk's input waits for
     chunk = [("forward",)] * steps + [("handed over",), ("forward",), ("dit end recorded",)]
     assert order == [("input",), *chunk] + [("waited", "dit end"), ("input",), *chunk] * 2
+
+
+def test_a_sequence_parallel_follower_is_planned_without_the_vae(fast_ckpt, image, monkeypatch):
+    """Rank 0 alone holds the VAE (encode, decode): another rank's plan has neither, and its check asks only for
+    its own device's memory, whatever --decode_device says."""
+    files = resolve_fast_dir(fast_ckpt)
+    kw = {"area": 64 * 112, "condition_frames": 4, "ranks": 2}
+    lead = play.PlaySession(files, "cuda:0", **kw).memory(image)
+    monkeypatch.setattr(play.distributed, "rank", lambda: 1)
+    for decode_device in (None, "cuda:2"):
+        follower = play.PlaySession(files, "cuda:1", decode_device=decode_device, **kw)
+        need = follower.memory(image)
+        assert need.encode == 0 and need.work_decode == 0 and need.work == need.work_forward
+        assert lead.encode > 0 and need.peak < lead.peak and follower.decode_memory(image) is None
+        asked = []
+        monkeypatch.setattr(play, "free_memory", lambda device: asked.append(str(device)) or (need.peak, None))
+        follower.check_memory(image)  # fits its own share exactly
+        assert asked == ["cuda:1"]

@@ -425,7 +425,12 @@ def test_a_sequence_parallel_follower_is_planned_without_the_vae(fast_ckpt, imag
         need = follower.memory(image)
         assert need.encode == 0 and need.work_decode == 0 and need.work == need.work_forward
         assert lead.encode > 0 and need.peak < lead.peak and follower.decode_memory(image) is None
-        asked = []
-        monkeypatch.setattr(play, "free_memory", lambda device: asked.append(str(device)) or (need.peak, None))
+        asked, peak = [], need.peak
+
+        def free(device, asked=asked, peak=peak):
+            asked.append(str(device))
+            return peak, None
+
+        monkeypatch.setattr(play, "free_memory", free)
         follower.check_memory(image)  # fits its own share exactly
         assert asked == ["cuda:1"]

@@ -348,7 +348,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
     if config.local_attn_size == -1:
         window, sink = PLAY_WINDOW
         config = dataclasses.replace(config, local_attn_size=window, sink_size=sink)
-    warm = config.local_attn_size // chunk + 1  # the last warm chunk is the first that evicts (and compiles)
+    warm = config.roll_chunks  # the last warm chunk is the first that evicts (and compiles)
     chunks = warm + TIMED_CHUNKS
     lat_shape = (chunk * chunks, lat_h, lat_w)
     g = torch.Generator().manual_seed(0)

@@ -95,9 +95,7 @@ def run(model, cfg, lat_shape, config: FastConfig, device, sp) -> dict:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     later = times[1:] or times
     # steady: after the first chunk that rolls the window (where compiled blocks start, and compile)
-    steady = (
-        times[config.local_attn_size // config.chunk_frames + 1 :] if config.local_attn_size > 0 else later
-    )
+    steady = times[config.roll_chunks :] if config.local_attn_size > 0 else later
     return {
         "chunk_s": [round(t, 3) for t in times],
         "s_per_chunk": round(sum(times) / len(times), 3),

@@ -265,7 +265,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
     gaps = np.diff(arrivals[first_chunk + chunk * 4 :])  # from the third chunk on
     # a rollout's start: the chunks before its window is full and the first that rolls it (their key sets grow,
     # so they run apart from the steady graph); a rollout is 256 chunks, so play is mostly past them
-    start = session.config.local_attn_size // chunk + 1
+    start = session.config.roll_chunks
     later = arrivals[first_chunk + (start - 1) * chunk * 4 - 1 :]
     steady_fps = (len(later) - 1) / (later[-1] - later[0]) if len(later) > 1 else None
     steady_chunks = session.chunk_seconds[start:]

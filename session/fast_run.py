@@ -717,6 +717,4 @@ def compile_warm_chunks(config: FastConfig, chunks: int) -> int:
     live play also the growing chunks', at the second chunk), at most `chunks`; 0 without compile or a window. A
     compiled decoder must not run beside the tracing DiT (nor trace beside the compiled one), so a decode worker
     takes these chunks one at a time."""
-    if not config.compile or config.local_attn_size == -1:
-        return 0
-    return min(config.local_attn_size // config.chunk_frames + 1, chunks)
+    return min(config.roll_chunks, chunks) if config.compile else 0

@@ -141,9 +141,8 @@ class MemoryRequest:
     t5_overlap: bool | str = False
     ulysses_size: int = 1  # ranks splitting each forward's tokens (sequence parallel); figures are per rank
     vae_dtype: str = "fp32"
-    fp8_attention: bool = (
-        False  # attention 'fp8' or 'fa3_fp8': its quantized copies beside each block's attention
-    )
+    # attention 'fp8' or 'fa3_fp8': its quantized copies beside each block's attention
+    fp8_attention: bool = False
 
     def __post_init__(self):
         if self.vae_dtype not in DECODE_DTYPES:

@@ -86,6 +86,7 @@ _BACKENDS: dict[str, Backend] = {
     "fa3": fa3_attention.attention,
     "fa3_fp8": fa3_attention.attention_fp8,
 }
+_FA3 = (fa3_attention.attention, fa3_attention.attention_fp8)
 BUILT_IN = tuple(_BACKENDS)  # the choices the CLI and the Speed node offer
 # backends that make e4m3 copies of q, k and v beside a block's attention (the memory plan counts them)
 QUANTIZED = ("fp8", "fa3_fp8")
@@ -118,7 +119,7 @@ def resolve(name: str) -> Backend:
         raise ValueError(f"attention backend must be one of {names()}, got {name!r}")
     if name == "sage" and _BACKENDS[name] is sage:
         _sageattn()  # fail now, naming the package, rather than inside the first block
-    if _BACKENDS[name] in (fa3_attention.attention, fa3_attention.attention_fp8):
+    if _BACKENDS[name] in _FA3:
         fa3_attention.interface()
     return _BACKENDS[name]
 
@@ -131,7 +132,7 @@ def problem(name: str, device) -> str | None:
         return f"attention backend must be one of {names()}, got {name!r}"
     if backend is fp8:
         return fp8_attention.attention_problem(device)
-    if backend in (fa3_attention.attention, fa3_attention.attention_fp8):
+    if backend in _FA3:
         return fa3_attention.problem(name, device)
     if backend is sage:
         try:

@@ -92,20 +92,20 @@ def problem(name: str, device) -> str | None:
 
 @functools.cache
 def _cuda_problem(name: str, index: int) -> str | None:
-    instead = fallback(name, f"cuda:{index}")
+    device = f"cuda:{index}"
     card = torch.cuda.get_device_name(index)
     major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) != (9, 0):
         return (
             f"attention '{name}': FlashAttention-3 runs on Hopper GPUs (compute capability 9.0) only; {card} is "
-            f"{major}.{minor}. Instead: {instead}"
+            f"{major}.{minor}. Instead: {fallback(name, device)}"
         )
     try:
         interface()
     except RuntimeError as err:
-        return f"attention '{name}': {err}. Instead: {instead}"
+        return f"attention '{name}': {err}. Instead: {fallback(name, device)}"
     try:  # a build may leave out a dtype or head size: the model's (head_dim 128) kernels once
-        x = torch.ones(MIN_KEYS, 1, 128, device=f"cuda:{index}")
+        x = torch.ones(MIN_KEYS, 1, 128, device=device)
         attention(x, x, x, torch.bfloat16)  # bf16: fa3, and fa3_fp8's short key sets
         if name == "fa3_fp8":
             attention_fp8(x, x, x, torch.bfloat16)
@@ -113,6 +113,7 @@ def _cuda_problem(name: str, index: int) -> str | None:
     except Exception as err:  # the extension declines in several exception types
         first = (str(err).strip().splitlines() or [""])[0][:300]
         return (
-            f"attention '{name}': this FlashAttention-3 build does not run here ({first}). Instead: {instead}"
+            f"attention '{name}': this FlashAttention-3 build does not run here ({first}). "
+            f"Instead: {fallback(name, device)}"
         )
     return None

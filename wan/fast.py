@@ -105,6 +105,12 @@ class FastConfig:
     compile: bool = False  # compiled blocks once the window is full (`ChunkBlocks`); off: the exact loop
     attention: str = "sdpa"  # the `wan.attention` backend of every forward (sdpa: the exact loop)
 
+    @property
+    def roll_chunks(self) -> int:
+        """Chunks up to and including the first that rolls the attention window (the window's fill, then its
+        first eviction): a rollout's start, whose key sets grow; 0 for an unbounded cache, which never rolls."""
+        return 0 if self.local_attn_size == -1 else self.local_attn_size // self.chunk_frames + 1
+
     @classmethod
     def for_kind(cls, kind: ChunkedKind, **settings) -> "FastConfig":
         """The kind's chunk, step indices, shift and documented window; `settings` given as None keep them.

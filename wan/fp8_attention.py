@@ -37,9 +37,12 @@ MIN_KEYS = 2048
 PACKAGE = "nvidia-cudnn-frontend"
 
 
-def amax_scale(t: torch.Tensor) -> torch.Tensor:
-    """fp32 [1]: max|t| / 448, the scale that maps t's largest magnitude to e4m3's largest value."""
+def amax_scale(t: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+    """fp32 [1]: max|t| / 448, the scale that maps t's largest magnitude to e4m3's largest value; `per_head`:
+    [1, heads], each head's of [L, heads, d]."""
     src = t.detach().float() if t.dtype == FP8 else t.detach()  # no amax kernel for e4m3
+    if per_head:
+        return (src.abs().amax(dim=(0, 2)).float().clamp_min(_TINY) / FP8_MAX).reshape(1, -1)
     return (src.abs().amax().float().clamp_min(_TINY) / FP8_MAX).reshape(1)
 
 
@@ -47,16 +50,12 @@ def quantize(t: torch.Tensor, per_head: bool = False) -> tuple[torch.Tensor, tor
     """(e4m3 codes, fp32 scale) of `t` with one scale for the whole tensor (scale [1]) or, `per_head`, one per
     head of [L, heads, d] (scale [1, heads], as FlashAttention-3 takes its descales): t ~= codes * scale. An
     e4m3 tensor (an fp8 K/V cache's keys) is its own codes at scale 1: no pass over it."""
-    shape = (1, t.shape[1]) if per_head else (1,)
     if t.dtype == FP8:
-        return t.contiguous(), torch.ones(shape, device=t.device)
-    if per_head:
-        scale = t.detach().abs().amax(dim=(0, 2)).float().clamp_min(_TINY) / FP8_MAX
-    else:
-        scale = amax_scale(t)
+        return t.contiguous(), torch.ones((1, t.shape[1]) if per_head else (1,), device=t.device)
+    scale = amax_scale(t, per_head)
     work = t.to(torch.float32, copy=True)  # the one fp32 copy (eager), divided and clamped in place
-    codes = work.div_(scale[:, None] if per_head else scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
-    return codes, scale.reshape(shape)
+    codes = work.div_(scale.reshape(-1, 1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8).contiguous()  # [heads or 1, 1]
+    return codes, scale
 
 
 def reference(q, k, v, q_scale, k_scale, v_scale, o_scale) -> torch.Tensor:

@@ -1,11 +1,20 @@
 """The decode worker of the chunked runs (`play`, `fast`): a chunk's VAE decode in a thread of its own, on its own
-CUDA stream, while the caller's thread runs the next chunk's DiT; on the DiT's GPU or on another device."""
+CUDA stream (ahead of the DiT's, `DECODE_PRIORITY`), while the caller's thread runs the next chunk's DiT; on the
+DiT's GPU or on another device."""
 
 import contextlib
 import threading
 from collections.abc import Callable
 
 import torch
+
+from ..wan.pipeline import uint8_frames
+
+# The decode stream outranks the DiT's where both share a GPU: the card's scheduler runs a queued latent frame's
+# decode first instead of splitting itself with the next chunk's forwards, so a chunk's frames come out sooner
+# (live play's key->pixel; BENCHMARKS.md, "Live play ... decode pipelined"; `fast`'s worker shares it, unmeasured
+# there). Kernels and results are the same.
+DECODE_PRIORITY = -1  # lower is higher; torch maps it into the device's range
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -29,6 +38,18 @@ def hand_over(tensor: torch.Tensor, device: torch.device) -> tuple:
     return tensor, queued_end(device)  # the worker's stream starts after the caller's work and the copy
 
 
+def frames_to_host(video: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`frames_to_uint8(video)` without waiting for it: (the uint8 frames [F, H, W, 3] on the CPU, the event after
+    which they are filled, None where they already are). On a GPU they are copied into pinned memory on the
+    current stream, so the caller can queue more work before it reads them."""
+    frames = uint8_frames(video)
+    if frames.device.type != "cuda":
+        return frames.cpu(), None
+    host = torch.empty(frames.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(frames, non_blocking=True)
+    return host, queued_end(frames.device)
+
+
 class DecodeWorker:
     """One thread that runs `work(job)` for each submitted job in order, under no_grad and, on a GPU, on its own
     CUDA stream. `submit` waits until the previous job is done, so at most one is in hand; an exception in a
@@ -36,7 +57,7 @@ class DecodeWorker:
 
     def __init__(self, device: torch.device, work: Callable[[object], None]):
         self.work = work
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device, priority=DECODE_PRIORITY) if device.type == "cuda" else None
         self._cond = threading.Condition()
         self._job = self._error = None
         self._closing = False

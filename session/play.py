@@ -4,8 +4,9 @@
 per prompt), the VAE, the i2v condition (cached per image) and the DiT stay until `close()`. `step()` makes
 one chunk: the input gathered since the last chunk (`controls`, fed by `key`/`look` from any thread) becomes
 the chunk's camera poses, the DiT denoises the chunk (`wan.fast.FastSession` in stream mode) and the latent
-is decoded one latent frame at a time, each frame handed to `on_frame(PlayFrame)` as soon as it exists: a
-rollout's first latent frame gives 1 frame, every later one 4.
+is decoded one latent frame at a time, each frame handed to `on_frame(PlayFrame)` as soon as it is on the host
+(on a GPU, once the next latent frame's decode is queued): a rollout's first latent frame gives 1 frame, every
+later one 4.
 
 With compiled blocks (`compile`), `start` first plays the chunks up to the attention window's first roll unseen
 (the blocks compile there) and then starts the rollout over, so the picture never stops mid-play to compile.
@@ -25,7 +26,9 @@ chunk's input and DiT run while it decodes (at most one chunk in the decoder; th
 it). On one GPU the two share its memory: `overlap` None (the default) turns it on there when the memory plan
 fits the forward and the decode side by side (`check_memory`), else `step()` waits for its frames.
 Either way the frames, their poses and key stamps are the same. The latent goes to the decoder once the chunk's
-last step is queued, so its decode can start beside the commit pass (which only refreshes the cache from it). A
+last step is queued, so its decode can start beside the commit pass (which only refreshes the cache from it). The
+worker queues each latent frame's decode before it hands out the previous one's frames (copied to pinned host
+memory; the front end's JPEG encoding runs then), so the GPU's decode does not wait on the host. A
 chunk reads its input only once the previous chunk's DiT, commit included, is done on the GPU (the host would
 otherwise run ahead and queue it behind that DiT, and every key would wait that much longer).
 
@@ -62,11 +65,10 @@ from ..wan.camera_presets import DEFAULT_HFOV_DEG
 from ..wan.config import ROPE_FRAMES, VAE_STRIDE
 from ..wan.fast import FastSession
 from ..wan.parallel import SequenceParallel
-from ..wan.pipeline import frames_to_uint8
 from ..wan.vae import ChunkDecoder, decode_dtype, decoder_levers
 from . import distributed, fast_run
 from .controls import ChunkCamera, Controls
-from .decode_worker import DecodeWorker, hand_over, queued_end, same_device
+from .decode_worker import DecodeWorker, frames_to_host, hand_over, queued_end, same_device
 from .planner import GIB, free_memory
 
 PLAY_WINDOW = (18, 6)  # (window, sink) for a model documented with an unbounded cache (v1 Fast)
@@ -436,16 +438,30 @@ class PlaySession:
         return made
 
     def _decode(self, job: DecodeJob) -> None:
-        """The worker's part of a chunk: decode it latent frame by latent frame and hand each frame out."""
+        """The worker's part of a chunk: decode it latent frame by latent frame and hand each frame out. The next
+        latent frame's decode is queued before a frame is handed out (the front end's JPEG encoding runs then),
+        so the GPU does not wait for the host between latent frames."""
         t0 = self.clock()
+        queued = []
         for i in range(job.latent.shape[1]):
-            video = job.decoder.decode(job.latent[:, i : i + 1])
-            for frame in frames_to_uint8(video):
-                self._hand_out(job, job.first_latent + i, frame, job.poses[i])
+            queued.append((i, *frames_to_host(job.decoder.decode(job.latent[:, i : i + 1]))))
+            if len(queued) > 1 or queued[-1][2] is None:  # None: decoded on the CPU, nothing left in flight
+                self._hand_out_latent(job, *queued.pop(0))
+        for item in queued:
+            self._hand_out_latent(job, *item)
         now = self.clock()
         self.decode_seconds.append(now - t0)
         if self._played_from is None:
             self._played_from = (now, self.frames)
+
+    def _hand_out_latent(self, job: DecodeJob, i: int, frames: torch.Tensor, filled) -> None:
+        if filled is not None:
+            filled.synchronize()
+            frames = (
+                frames.clone()
+            )  # out of pinned memory: a front end may keep every frame (the node's clip)
+        for frame in frames:
+            self._hand_out(job, job.first_latent + i, frame, job.poses[i])
 
     def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
         keys = tuple(job.keys.pop(latent, ()))

@@ -434,3 +434,64 @@ def test_a_sequence_parallel_follower_is_planned_without_the_vae(fast_ckpt, imag
         monkeypatch.setattr(play, "free_memory", free)
         follower.check_memory(image)  # fits its own share exactly
         assert asked == ["cuda:1"]
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["gpu-copy", "cpu"])
+def test_play_queues_each_latent_frames_decode_before_handing_out_the_previous_ones(
+    fast_ckpt, image, monkeypatch, in_flight
+):
+    """Where a latent frame's frames are still on their way to the host (an event to wait for: a GPU decode), the
+    decode worker queues latent frame i+1's decode before it hands out frame i's (the front end's JPEG encoding
+    then runs while the GPU decodes), and reads them only after waiting for the copy; where they are there already
+    (a CPU decode) each latent frame is handed out at once. Frames come out in order, as many as before."""
+    order = []
+    to_host = play.frames_to_host
+
+    class Filled:
+        def __init__(self, n):
+            self.n = n
+
+        def synchronize(self):
+            order.append(("filled", self.n))
+
+    def recorded(video):
+        frames, _ = to_host(video)
+        n = sum(1 for e in order if e[0] == "decoded")
+        order.append(("decoded", n))
+        return frames, Filled(n) if in_flight else None
+
+    monkeypatch.setattr(play, "frames_to_host", recorded)
+    frames = []
+    session = make_session(fast_ckpt, frames, Clock(), overlap=False)
+    session.on_frame = lambda f: order.append(("out", f.latent)) or frames.append(f)
+    try:
+        session.start(image, "a castle")
+        order.clear()
+        assert session.step() == 9  # the rollout's first chunk: latent frames 0, 1, 2 give 1, 4 and 4 frames
+    finally:
+        session.close()
+    out = [[("out", 0)], [("out", 1)] * 4, [("out", 2)] * 4]
+    if in_flight:
+        want = [
+            ("decoded", 0),
+            ("decoded", 1),
+            ("filled", 0),
+            *out[0],
+            ("decoded", 2),
+            ("filled", 1),
+            *out[1],
+        ]
+        want += [("filled", 2), *out[2]]
+    else:
+        want = [e for i in range(3) for e in [("decoded", i), *out[i]]]
+    assert order == want
+    assert [f.index for f in frames] == list(range(9)) and all(f.image.dtype == torch.uint8 for f in frames)
+
+
+def test_frames_to_host_on_the_cpu_is_frames_to_uint8():
+    from lingbot_world.session.decode_worker import frames_to_host
+    from lingbot_world.wan.pipeline import frames_to_uint8
+
+    video = torch.rand(3, 4, 8, 10, generator=torch.Generator().manual_seed(0)) * 2.2 - 1.1
+    frames, filled = frames_to_host(video)
+    assert filled is None and frames.shape == (4, 8, 10, 3) and torch.equal(frames, frames_to_uint8(video))

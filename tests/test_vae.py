@@ -539,3 +539,55 @@ def test_compiled_decoder_equals_eager(tiny):
         pieces = list(dec.stream(z[:, :2])) + list(dec.stream(z[:, 2:]))
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(torch.cat(pieces, dim=1), out)
+
+
+def test_tap_conv_equals_the_3d_conv_and_keeps_its_layout():
+    """The fast decoder's per-time-tap conv (`_tap_conv`): on a channels-last input with fewer than
+    TAP_CONV_BELOW channels it is three 2-D convs that equal the 3-D conv up to fp32 rounding and come out
+    channels-last-3d; wider or contiguous inputs take the 3-D conv itself."""
+    import torch.nn.functional as F
+
+    g = _gen(41)
+    x = torch.randn(1, 8, 5, 6, 7, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    w = torch.randn(8, 8, 3, 3, 3, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    b = torch.randn(8, generator=g)
+    ref = F.conv3d(x, w, b, padding=(0, 1, 1))
+    out = V._tap_conv(x, w, b)
+    assert out.shape == ref.shape == (1, 8, 3, 6, 7) and _rel(out, ref) <= 1e-6
+    assert out.stride() == (8 * 3 * 6 * 7, 1, 6 * 7 * 8, 7 * 8, 8) and not torch.equal(out, ref)
+    assert torch.equal(V._tap_conv(x.contiguous(), w, b), F.conv3d(x.contiguous(), w, b, padding=(0, 1, 1)))
+    wide = V.TAP_CONV_BELOW
+    xw = torch.randn(1, wide, 3, 4, 4, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    ww = torch.randn(wide, wide, 3, 3, 3, generator=g) * 0.05
+    assert torch.equal(V._tap_conv(xw, ww, None), F.conv3d(xw, ww, None, padding=(0, 1, 1)))
+
+
+def test_a_narrow_residual_step_runs_both_convs_per_tap_and_keeps_canonical_strides(monkeypatch):
+    """Both convs of a channels-last residual block under TAP_CONV_BELOW channels go per time tap (the second
+    conv's input, made from the first's output, stays channels-last), and the output and both new caches have
+    channels-last-3d's strides, so the compiled decoder's `_canonical` copies none of them."""
+    import torch.nn.functional as F
+
+    calls = []
+    conv3d = F.conv3d
+    monkeypatch.setattr(V.F, "conv3d", lambda *a, **k: calls.append(a[0].shape) or conv3d(*a, **k))
+    g = _gen(43)
+    cl = torch.channels_last_3d
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).contiguous(memory_format=cl)
+
+    c, t, h, w = 8, 2, 5, 6
+    x, c1, c2 = rand(1, c, t, h, w), rand(1, c, 2, h, w), rand(1, c, 2, h, w)
+    gain = torch.ones(c, 1, 1, 1) * c**0.5
+    w1, w2 = rand(c, c, 3, 3, 3, scale=0.1), rand(c, c, 3, 3, 3, scale=0.1)
+    b1, b2 = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    y, n1, n2 = V._residual_step(x, c1, c2, gain, w1, b1, gain, w2, b2, None, None)
+    assert calls == []
+
+    def canonical(a):  # channels-last-3d's strides, size-1 dims' included (`is_contiguous` ignores those)
+        _, c_, t_, h_, w_ = a.shape
+        return a.stride() == (c_ * t_ * h_ * w_, 1, h_ * w_ * c_, w_ * c_, c_)
+
+    assert y.shape == x.shape and n1.shape == n2.shape == (1, c, 2, h, w)
+    assert canonical(y) and canonical(n1) and canonical(n2)

@@ -138,8 +138,14 @@ def denoise(
 
 
 def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
-    """[3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8, as upstream's save_video (clamp, scale, truncate)."""
-    return ((video.clamp(-1, 1) + 1) / 2 * 255).to(torch.uint8).permute(1, 2, 3, 0).cpu()
+    """[3, F, H, W] in [-1, 1] -> [F, H, W, 3] uint8 on the CPU, as upstream's save_video (clamp, scale,
+    truncate)."""
+    return uint8_frames(video).cpu()
+
+
+def uint8_frames(video: torch.Tensor) -> torch.Tensor:
+    """`frames_to_uint8` on `video`'s device (a view of [F, H, W, 3])."""
+    return ((video.clamp(-1, 1) + 1) / 2 * 255).to(torch.uint8).permute(1, 2, 3, 0)
 
 
 def sample(

@@ -408,12 +408,31 @@ def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, tor
     return x, x[:, :, -CACHE_T:].clone(memory_format=_format(x))  # dense: the next call takes it as it is
 
 
+TAP_CONV_BELOW = 128  # residual convs with fewer channels run as one 2-D conv per time tap (`_tap_conv`)
+
+
+def _tap_conv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """A residual block's 3x3x3 conv (padding 0, 1, 1) on its causally padded input [1, c, t+2, H, W]. cuDNN's
+    3-D kernels are slow at the full-resolution stage's 96 channels (an H100 took 1.8 ms per 2 frames at
+    464x832), while three 2-D convs, one per time tap over the frames as a batch, summed, took 1.3 ms, so a
+    channels-last input with fewer than TAP_CONV_BELOW channels goes that way. Equal up to rounding."""
+    c = w.shape[0]
+    if c >= TAP_CONV_BELOW or c != w.shape[1] or h.stride(1) != 1:
+        return F.conv3d(h, w, b, padding=(0, 1, 1))
+    frames = h[0].transpose(0, 1)  # [t+2, c, H, W], channels-last
+    t = frames.shape[0] - 2
+    y = F.conv2d(frames[:t], w[:, :, 0], b, padding=1)
+    for k in (1, 2):
+        y = y + F.conv2d(frames[k : k + t], w[:, :, k], None, padding=1)
+    return y.unsqueeze(0).transpose(1, 2)  # [1, c, t, H, W] with channels-last-3d's strides, dim 0's included
+
+
 def _residual_step(x, c1, c2, g1, w1, b1, g2, w2, b2, ws, bs):
     """`ResidualBlock.forward` with both caches present, as a pure function -> (out, new c1, new c2)."""
     h, c1 = _causal_pad(_fused_norm_silu(x, g1), c1)
-    y = F.conv3d(h, w1, b1, padding=(0, 1, 1))
+    y = _tap_conv(h, w1, b1)
     h, c2 = _causal_pad(_fused_norm_silu(y, g2), c2)
-    y = F.conv3d(h, w2, b2, padding=(0, 1, 1))
+    y = _tap_conv(h, w2, b2)
     return y + (x if ws is None else F.conv3d(x, ws, bs)), c1, c2
 
 
@@ -435,7 +454,8 @@ def _upsample_step(x, cache, tw, tb, w, b, subpixel: bool):
         y = subpixel_up(frames, w, b)
     else:
         y = F.conv2d(F.interpolate(frames, scale_factor=(2.0, 2.0), mode="nearest-exact"), w, b, padding=1)
-    return y.transpose(0, 1).unsqueeze(0).contiguous(memory_format=fmt), cache
+    # unsqueeze first: dim 0's stride then is channels-last-3d's, so `DecoderLevers._canonical` copies nothing
+    return y.unsqueeze(0).transpose(1, 2).contiguous(memory_format=fmt), cache
 
 
 def _head_step(x, cache, gain, w, b):
@@ -468,7 +488,8 @@ class DecoderLevers:
     compile: the residual blocks, the upsamples and the head run as torch.compile'd pure functions of their
     input, causal caches and weights that return the new caches (`_residual_step`, `_upsample_step`,
     `_head_step`): each RMS norm + SiLU (in fp32) and the cache concatenation become one pass before the
-    conv instead of about seven. A stream's first latent frame (no caches yet, 1 frame per stage) runs
+    conv instead of about seven; with channels-last weights the full-resolution stage's convs run per time tap
+    (`_tap_conv`). A stream's first latent frame (no caches yet, 1 frame per stage) runs
     eagerly; from the second on every call has the same shapes and strides (one graph per block shape and
     frame size, about 10, compiled during the first chunk, none after). The upsamples then run all of a
     sub-chunk's frames at once instead of frame by frame (without subpixel, the 2x input of 2 frames instead

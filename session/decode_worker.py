@@ -44,7 +44,7 @@ def frames_to_host(video: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     current stream, so the caller can queue more work before it reads them."""
     frames = uint8_frames(video)
     if frames.device.type != "cuda":
-        return frames.cpu(), None
+        return frames, None
     host = torch.empty(frames.shape, dtype=torch.uint8, pin_memory=True)
     host.copy_(frames, non_blocking=True)
     return host, queued_end(frames.device)

@@ -457,9 +457,8 @@ class PlaySession:
     def _hand_out_latent(self, job: DecodeJob, i: int, frames: torch.Tensor, filled) -> None:
         if filled is not None:
             filled.synchronize()
-            frames = (
-                frames.clone()
-            )  # out of pinned memory: a front end may keep every frame (the node's clip)
+            # out of pinned memory: a front end may keep every frame (the node's clip)
+            frames = frames.clone()
         for frame in frames:
             self._hand_out(job, job.first_latent + i, frame, job.poses[i])
 

@@ -13,8 +13,8 @@ is not on PyPI).
   Lossy: the benchmark reports the deviation.
 
 FA3 3.0's entry point is a registered custom op with a fake implementation, so compiled blocks trace through it
-without a graph break (an older build that calls its extension directly would break the graph there). FA3 runs on compute capability 9.0 only (H100, H200, H20); `problem` refuses it elsewhere
-and names the fallback.
+without a graph break (an older build that calls its extension directly would break the graph there). FA3 runs
+on compute capability 9.0 only (H100, H200, H20); `problem` refuses it elsewhere and names the fallback.
 """
 
 import functools

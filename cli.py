@@ -537,7 +537,7 @@ def add_plan_args(p: argparse.ArgumentParser):
     )
 
 
-LEAN_CHOICES = {"on": True, "off": False, "auto": "auto"}
+AUTO_ON_OFF = {"auto": "auto", "on": True, "off": False}  # --lean_activations, --camera_cache
 
 
 def speed_options(args) -> SpeedOptions:
@@ -554,7 +554,7 @@ def speed_options(args) -> SpeedOptions:
             if args.cache_keep_first is None
             else args.cache_keep_first,
             cache_keep_last=base.cache_keep_last if args.cache_keep_last is None else args.cache_keep_last,
-            lean_activations=LEAN_CHOICES[getattr(args, "lean_activations", "auto")],
+            lean_activations=AUTO_ON_OFF[getattr(args, "lean_activations", "auto")],
             fp8=getattr(args, "fp8", False),
         )
     except ValueError as err:  # each message starts with the option's name
@@ -973,6 +973,13 @@ def run_plan_chunked(args, kind) -> int:
         f"{need.caches / gib:.2f} + a chunk's work {need.work / gib:.2f} GiB"
     )
     print(f"{'peak':<13} {max(text, need.peak) / gib:>6.2f} GiB")
+    if not swap:  # swapped blocks take no kept camera injections
+        kept = dataclasses.replace(config, camera_cache=True)
+        cams = fast_run.fast_memory(model, shape, kept, None, swap, tile, args.vae_dtype, ranks=ranks).caches
+        print(
+            f"{'':<13} + {(cams - need.caches) / gib:.2f} GiB where `fast` / `play` keep each block's camera "
+            "injection for a chunk's forwards (--camera_cache auto: only where it fits)"
+        )
     vram, _ = plan_budget(args, device)
     if vram is None:
         print(NO_GPU_NOTE)
@@ -1201,6 +1208,15 @@ def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
     )
     p.add_argument("--quantize", action="store_true", help="quantize a bf16/fp32 model to NF4 while loading")
     p.add_argument("--compile", action="store_true", help=CHUNK_COMPILE_HELP)
+    p.add_argument(
+        "--camera_cache",
+        choices=tuple(AUTO_ON_OFF),
+        default="auto",
+        help="make each DiT block's camera injection once per chunk and keep it for the chunk's 5 forwards "
+        "(the same values, a fifth of the camera layers' work) at the cost of its memory: 2 x layers x a chunk's "
+        "tokens x dim in bf16 (1.0 GiB for the v2 1.3B at 480p, 4.6 GiB for the 14B); auto: on where the memory "
+        "plan fits it, off with --swap_blocks",
+    )
     add_attention_arg(p)
     p.add_argument(
         "--fp8",
@@ -1373,10 +1389,13 @@ def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
         args.frame_num,
         compile=args.compile,
         attention=args.attention,
+        camera_cache=AUTO_ON_OFF[args.camera_cache],
     )
     image = load_image(args.image)
     size = plan_size(image.shape[1:], args.size)
     cam, steering, rows, frames = fast_camera(args, files, image, size, device)
+    if cam is None and steering is None:  # no camera: no injections to keep, nor memory to plan for them
+        config = dataclasses.replace(config, camera_cache=False)
     lat_f, (lat_h, lat_w, h, w) = fast_latent_frames(frames, chunk), size
     if args.frame_num is not None and frames != args.frame_num and lead:
         print(
@@ -1386,9 +1405,10 @@ def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
     lat_shape, apart = (lat_f, lat_h, lat_w), not lead or not fast_run.same_device(device, vae_device)
     # on each GPU: the overlap of a chunk's decode and the next chunk's DiT decided where it is left to the plan
     plan = (files, lat_shape, config, quantize, swap, tile, args.vae_dtype)  # the planner's view of the run
-    overlap = fast_run.check_devices(
+    overlap, config = fast_run.check_devices(
         *plan, device, vae_device if lead else None, memplan.free_memory, ranks=ranks
     )
+    plan = (files, lat_shape, config, quantize, swap, tile, args.vae_dtype)  # the camera cache decided
     free = generate.machine_memory(device)  # (None, None) off CUDA
     need = fast_run.fast_memory(*plan, ranks=ranks, budget=free[0], **fast_run.vae_where(apart, overlap))
     if lead:
@@ -1401,7 +1421,8 @@ def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
             decoding += "; each chunk decodes while the next one is made"
         print(
             f"{title}: {lat_f // chunk} chunks, {frames} frames at {h}*{w}, window {config.local_attn_size} / sink "
-            f"{config.sink_size}, shift {config.shift:g}; attention caches up to {need.caches / memplan.GIB:.2f} "
+            f"{config.sink_size}, shift {config.shift:g}; {fast_run.caches_label(config)} up to "
+            f"{need.caches / memplan.GIB:.2f} "
             f"GiB, predicted peak {need.peak / memplan.GIB:.1f} GiB (host RAM {need.ram / memplan.GIB:.1f} GiB)"
             + decoding
         )
@@ -1550,6 +1571,7 @@ def _run_play(args, files, device, ranks, decode_device) -> int:
         kv_dtype=args.kv_dtype,
         compile=args.compile,
         attention=args.attention,
+        camera_cache=AUTO_ON_OFF[args.camera_cache],
         quantize=load_quantize(args, device),
         swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),

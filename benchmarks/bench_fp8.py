@@ -80,9 +80,12 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
     "fp8_compiled_fp8attn_kv8",
     "fp8_compiled_fp8attn_kv8_nograph",
     "fp8_compiled_fa3fp8attn_kv8",
+    "fp8_cams",
+    "fp8_compiled_fa3fp8attn_kv8_cams",
 )
 # a path's attention backend, by the part of its name that says so (none: SDPA)
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
+CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
 
 
 def path_options(name: str) -> dict:
@@ -92,6 +95,11 @@ def path_options(name: str) -> dict:
         "compile": "_compiled" in name,
         "attention": next((a for tag, a in ATTENTION_TAGS.items() if tag in name), "sdpa"),
     }
+
+
+def camera_cached(name: str) -> bool:
+    """`_cams` (chunk loops): each block's camera injection made once per chunk (`FastConfig.camera_cache`)."""
+    return name.endswith(CAMS)
 
 
 def path_skip(name: str, args, device, compile_issue) -> str | None:
@@ -184,13 +192,22 @@ def gemm_rate(device, m: int, k: int, n: int, use_fp8: bool, seconds: float = 2.
 
 
 def floor_sequence(
-    cfg, q_tokens, kv_tokens, text_tokens, device, forwards: int, use_fp8: bool, attn: str = "sdpa"
+    cfg,
+    q_tokens,
+    kv_tokens,
+    text_tokens,
+    device,
+    forwards: int,
+    use_fp8: bool,
+    attn: str = "sdpa",
+    camera_once: bool = False,
 ) -> float:
     """Sustained seconds of the kernels alone, back to back: per block the GEMMs at the real shapes with their
     biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
     (SDPA bf16; `attn` 'fp8' / 'fa3' / 'fa3_fp8': that backend's kernel for the self-attention, fp8 operands
     quantized beforehand; cross-attention stays SDPA, as the backends keep short key sets on bf16 kernels);
-    `text_tokens` 0: cross k/v cached (the chunk loop)."""
+    `text_tokens` 0: cross k/v cached (the chunk loop); `camera_once`: the camera's 4 GEMMs per block once for
+    all `forwards` (the kept camera injections)."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -209,7 +226,7 @@ def floor_sequence(
             )
     else:
         gemm = F.linear
-    gemms = [(x, w_sq, b_dim, 10), (x, w_up, b_ffn, 1), (hidden, w_down, b_dim, 1)]
+    gemms = [(x, w_sq, b_dim, 6 if camera_once else 10), (x, w_up, b_ffn, 1), (hidden, w_down, b_dim, 1)]
     if text_tokens:
         gemms.append((ctx, w_sq, b_dim, 2))
     d = dim // heads
@@ -227,6 +244,8 @@ def floor_sequence(
         attend = functools.partial(_fa3_kernel, fa3_operands(attn, q, k, v))
 
     def sequence():
+        for _ in range(cfg.num_layers * camera_once * 4):
+            gemm(x, w_sq, b_dim)
         for _ in range(cfg.num_layers * forwards):
             for a, w, b, count in gemms:
                 for _ in range(count):
@@ -238,14 +257,23 @@ def floor_sequence(
     return min(timed(sequence, device, 2))
 
 
-def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates) -> dict:
+def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates, cams: tuple = ()) -> dict:
+    """Each precision's and attention kernel's sustained floor (`floor_sequence`), and for the paths `cams` (with
+    the kept camera injections) theirs with the camera's GEMMs once (`floor_key`)."""
     out = {}
     runs = [("bf16", False, "sdpa"), ("fp8", True, "sdpa")]
     for tag, attn in ATTENTION_TAGS.items():
         if attention.problem(attn, device) is None:
             runs += [(f"bf16{tag}", False, attn), (f"fp8{tag}", True, attn)]
-    for name, use_fp8, attn in runs:
-        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn)
+    runs = [(name, use_fp8, attn, False) for name, use_fp8, attn in runs]
+    keys = {floor_key(path) for path in cams}
+    runs += [
+        (name + CAMS, use_fp8, attn, True)
+        for name, use_fp8, attn, _ in runs
+        if f"{name}{CAMS}_sustained_s" in keys
+    ]
+    for name, use_fp8, attn, once in runs:
+        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn, once)
         out[f"{name}_sustained_s"] = round(seq, 5)
     # the GEMM FLOPs at each precision's sustained rate, plus the attention of the bf16 floor's kernels
     flops = gemm_flops(cfg, q_tokens, text_tokens, forwards)
@@ -276,7 +304,7 @@ def base_cam(args, device, rates) -> dict:
     exact = run_case(step, SpeedOptions(), 5.0, args.repeats)
     reference, flow_ref = exact.pop("latent"), flow()
     out["bf16_eager"] = exact
-    for path in (p for p in PATHS[1:] if not p.endswith(("_kv8", "_nograph"))):  # chunk-loop paths
+    for path in (p for p in PATHS[1:] if not p.endswith(("_kv8", "_nograph", CAMS))):  # chunk-loop paths
         name = "fp8_eager" if path == "fp8" else path
         skip = path_skip(path, args, device, compile_issue)
         if skip:
@@ -308,7 +336,7 @@ def floor_key(path: str) -> str:
     """The `floors` entry a path is measured against (its Linears' precision; its attention kernel)."""
     prec = "fp8" if path.startswith("fp8") else "bf16"
     tag = next((tag for tag in ATTENTION_TAGS if tag in path), "")
-    return f"{prec}{tag}_sustained_s"
+    return f"{prec}{tag}{CAMS if camera_cached(path) else ''}_sustained_s"
 
 
 class ChunkTimer(Hooks):
@@ -379,7 +407,11 @@ def v2_case(kind_name, args, device, rates) -> dict:
             out["fp8_layers"] = to_fp8_(model)
         timer = ChunkTimer(device)
         run_config = dataclasses.replace(
-            config, compile=compiled, attention=options["attention"], kv_dtype=kv
+            config,
+            compile=compiled,
+            attention=options["attention"],
+            kv_dtype=kv,
+            camera_cache=camera_cached(name),
         )
         session = FastSession(model, context, y, lat_shape, run_config, device, timer)
         # `_nograph`: compiled blocks without the chunk loop's CUDA graph (`FastSession._graphed`)
@@ -406,7 +438,8 @@ def v2_case(kind_name, args, device, rates) -> dict:
             "forwards_per_chunk": len(config.timestep_index) + 1,
         }
         out[name]["commit_share"] = round(out[name]["commit_s"] / out[name]["chunk_s"], 3)
-        eager = "fp8" if options["fp8"] else "bf16"  # this precision's exact loop
+        # this precision's exact loop (the kept camera injections' eager loop equals it)
+        eager = "fp8" if options["fp8"] else "bf16"
         if compiled:
             out[name]["compiled"] = not speed._shared_runners[speed.run_chunk_block].failed
             out[name]["compile_chunk_s"] = out[name]["chunks_s"][warm - 1]
@@ -424,7 +457,8 @@ def v2_case(kind_name, args, device, rates) -> dict:
     # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)
     forwards = len(config.timestep_index) + 1
     kv = min(out["kv_tokens_when_full"], out["q_tokens"] * chunks) or out["q_tokens"]
-    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates)
+    cams = [name for name in PATHS if "chunk_s" in out[name] and camera_cached(name)]
+    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates, cams)
     for name in PATHS:
         floor = out["floor"].get(floor_key(name))
         if "chunk_s" in out[name] and floor:

@@ -31,6 +31,7 @@ the rate from the second) and the wait the pacer added (`pace_delay_*`). The fig
     python benchmarks/bench_play.py ... --no_pace                              # frames as they are made
     python benchmarks/bench_play.py ... --decode_device cuda:1        # the decode on a second GPU, overlapped
     python benchmarks/bench_play.py ... --overlap off                 # one GPU, the decode after the DiT
+    python benchmarks/bench_play.py ... --camera_cache off            # each forward makes its camera injection
 
 Sequence parallel (one host, N GPUs; rank 0 builds the checkpoint while the others wait, then serves, drives
 the scripted client and prints the JSON, with each rank's peak VRAM; the others follow its chunks):
@@ -164,6 +165,12 @@ def main() -> int:
     )
     ap.add_argument("--decode_device", help="the VAE's device, e.g. cuda:1 (default: the DiT's)")
     ap.add_argument(
+        "--camera_cache",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="each block's camera injection kept for a chunk's forwards (auto: where the memory plan fits it)",
+    )
+    ap.add_argument(
         "--overlap",
         choices=["auto", "on", "off"],
         default="auto",
@@ -217,6 +224,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         quantize="fp8" if args.fp8 else None,
         decode_device=args.decode_device,
         overlap={"on": True, "off": False}.get(args.overlap),
+        camera_cache={"on": True, "off": False}.get(args.camera_cache, "auto"),
         ranks=ranks,
     )
     if device.type == "cuda":
@@ -285,6 +293,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         "attention": args.attention,
         "decode_device": str(session.decode_device),
         "overlap": session.overlap,
+        "camera_cache": session.config.camera_cache,
         "chunks": stats["chunks"],
         "frames_received": len(arrivals),
         "fps_played": stats["fps_played"],

@@ -1,9 +1,10 @@
 """LingBot-World-Fast and 2.0 causal-fast nodes: the one causal DiT's loader, and the chunk-by-chunk sampler."""
 
+import contextlib
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import folder_paths
@@ -65,6 +66,15 @@ class FastHandle(ExpertsHandle):
     def planned(self) -> fast_run.ChunkedModel:
         """What the planner's `fast_memory` needs of the model: its architecture and bytes on the device."""
         return fast_run.ChunkedModel(self.config, self.nbytes["high"])
+
+
+@contextlib.contextmanager
+def as_widgets():
+    """A ValueError of the session layer's settings checks, which names `--flag`s, with the bare widget names."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(re.sub(r"--(\w+)", r"\1", str(e))) from None
 
 
 def fit_issue(model: FastHandle, lat_shape: tuple, config, free_vram: int | None) -> str | None:
@@ -335,19 +345,21 @@ class LingBotFastSampler:
         context = text.context if text is not None else conditioning_to_context(positive, "positive")
         vae = sampler_vae(vae)
         img = image_to_input(image)
-        config, _ = chunked.settings(
-            model.kind,
-            model.config.num_layers,
-            None if shift == KIND_SHIFT else shift,
-            seed,
-            None if local_attn_size == KIND_WINDOW else local_attn_size,
-            None if sink_size == KIND_SINK else sink_size,
-            kv_dtype,
-            model.swap_blocks,
-            length,
-            compile=speed.compile,
-            attention=speed.attention,
-        )
+        with as_widgets():
+            config, _ = chunked.settings(
+                model.kind,
+                model.config.num_layers,
+                None if shift == KIND_SHIFT else shift,
+                seed,
+                None if local_attn_size == KIND_WINDOW else local_attn_size,
+                None if sink_size == KIND_SINK else sink_size,
+                kv_dtype,
+                model.swap_blocks,
+                length,
+                compile=speed.compile,
+                attention=speed.attention,
+                camera_cache=speed.camera_cache,
+            )
         chunk = config.chunk_frames
         sizing = (
             {"max_area": i2v.parse_max_area(max_area)}
@@ -367,17 +379,27 @@ class LingBotFastSampler:
             )
         else:
             frames = fast_frame_num(length, chunk)
+            config = replace(config, camera_cache=False)  # no camera: no injections to keep
         lat_f = fast_latent_frames(frames, chunk)
         chunks, lat_shape = lat_f // chunk, (lat_f, *size[:2])
         # what this node runs: the encode, then the chunks' forwards (the VAE Decode node decodes them)
         need = fast_run.fast_memory(
             model.planned(), lat_shape, config, None, model.swap_blocks, "auto", decode=False
         )
+        free = None
         if device.type == "cuda":  # ComfyUI unloads its models first: the check sees what the run can have
             memory.make_room(need.peak, device)
-            issue = fit_issue(model, lat_shape, config, memplan.free_memory(device)[0])
+            free = memplan.free_memory(device)[0]
+            issue = fit_issue(model, lat_shape, config, free)  # a camera cache left to 'auto' counted as off
             if issue is not None:
                 raise ValueError(f"memory: {issue}")
+        # 'auto': on where it fits what is free after that room was made (no more of ComfyUI's models unloaded)
+        config = fast_run.decide_camera_cache(
+            config, model.swap_blocks, lambda on: fit_issue(model, lat_shape, on, free) is None
+        )
+        need = fast_run.fast_memory(
+            model.planned(), lat_shape, config, None, model.swap_blocks, "auto", decode=False
+        )
         hooks, phases = memory.sampling_hooks(chunks)
         timings, error = [], None
         try:

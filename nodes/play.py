@@ -11,7 +11,7 @@ from aiohttp import web
 from ..session.play import PlaySession
 from ..session.play_server import PlayServer
 from . import memory
-from .fast import FAST, KIND_SINK, KIND_WINDOW
+from .fast import FAST, KIND_SINK, KIND_WINDOW, as_widgets
 from .models import CATEGORY
 from .sampler import image_to_input
 from .speed import SPEED, SpeedOptions, check_chunked_speed
@@ -192,20 +192,23 @@ class LingBotPlay:
         img = image_to_input(image)
         window = None if local_attn_size == KIND_WINDOW else local_attn_size
         sink = None if sink_size == KIND_SINK else sink_size
-        session = NodePlaySession(
-            model,
-            vae,
-            context,
-            device,
-            fp8=speed.fp8,
-            seed=seed,
-            compile=speed.compile,
-            attention=speed.attention,
-            local_attn_size=window,
-            sink_size=sink,
-            mode=mode,
-            area=i2v.parse_max_area(max_area),
-        )
+        with as_widgets():
+            session = NodePlaySession(
+                model,
+                vae,
+                context,
+                device,
+                fp8=speed.fp8,
+                seed=seed,
+                compile=speed.compile,
+                attention=speed.attention,
+                camera_cache=speed.camera_cache,  # 'auto' runs as off here: no memory check decides it
+                swap=model.swap_blocks,
+                local_attn_size=window,
+                sink_size=sink,
+                mode=mode,
+                area=i2v.parse_max_area(max_area),
+            )
         frames: list = []
         hub = PlayServer(session, img, "(from the text input)", record=lambda f: frames.append(f.image))
         hub.check = memory.check_interrupt

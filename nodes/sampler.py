@@ -14,7 +14,7 @@ from ..wan.speed import SpeedStats
 from . import memory
 from .camera import CAMERA
 from .models import CATEGORY, EXPERTS
-from .speed import SPEED, check_speed_input
+from .speed import SPEED, check_base_cam_speed
 from .text import TEXT, sampler_text
 from .vae import VAE, sampler_vae
 
@@ -277,7 +277,7 @@ class LingBotSampler:
         )
         device = memory.torch_device()
         fp8 = speed is not None and speed.fp8
-        check_speed_input(speed, device)
+        check_base_cam_speed(speed, device)
         check = memory_check(
             experts.nbytes,
             experts.loras,

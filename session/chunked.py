@@ -51,11 +51,15 @@ def settings(
     frame_num: int | None,
     compile: bool = False,
     attention: str = "sdpa",
+    camera_cache: bool | str = False,
 ) -> tuple[FastConfig, int]:
     """(checked FastConfig of the model kind, blocks swapped); the frame count (None: the default) checked
-    against the kind's chunk and RoPE table."""
-    config = fast_run.fast_config(shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention)
+    against the kind's chunk and RoPE table; a camera cache asked for (True) with blocks swapped refused."""
+    config = fast_run.fast_config(
+        shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention, camera_cache
+    )
     swap = resolve_swap_blocks(swap_blocks, num_layers)
+    fast_run.check_camera_cache(config, swap)
     fast_latent_frames(fast_run.DEFAULT_FRAMES if frame_num is None else frame_num, kind.chunk_frames)
     return config, swap
 

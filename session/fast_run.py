@@ -68,11 +68,13 @@ def fast_config(
     kind: ChunkedKind = CHUNKED_KINDS["fast"],
     compile: bool = False,
     attention: str = "sdpa",
+    camera_cache: bool | str = False,
 ) -> FastConfig:
     """A checked FastConfig for the model kind (its chunk and step indices; shift, window and sink given
     as None are its documented run's); kv_dtype by name ('bf16' = the model's compute dtype, 'fp8' =
     float8 e4m3); `compile`: compiled blocks once the window is full (`FastConfig.compile`); `attention`: the
-    forwards' attention backend (`wan.attention`)."""
+    forwards' attention backend (`wan.attention`); `camera_cache`: True, False or 'auto' (`check_devices` decides;
+    `FastConfig.camera_cache`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     config = FastConfig.for_kind(
@@ -84,9 +86,41 @@ def fast_config(
         kv_dtype=KV_DTYPES[kv_dtype],
         compile=compile,
         attention=attention,
+        camera_cache=camera_cache,
     )
     config.validate()
     return config
+
+
+def check_camera_cache(config: FastConfig, swap: int) -> None:
+    """A camera cache asked for (True) with blocks swapped in from the host: ValueError naming both `--flag`s, as
+    the planner's messages do (its injections are made before a chunk's forwards, with every block on the
+    device)."""
+    if config.camera_cache is True and swap:
+        raise ValueError(
+            f"--camera_cache on: the kept camera injections are made with every DiT block on the device, and "
+            f"--swap_blocks {swap} keeps blocks in host RAM; use --camera_cache auto or off with --swap_blocks"
+        )
+
+
+def caches_label(config: FastConfig) -> str:
+    """What `FastMemory.caches` holds, in a message's words."""
+    return "attention and camera caches" if config.camera_cache is True else "attention caches"
+
+
+def camera_choices(config: FastConfig, swap: int) -> list:
+    """The camera cache settings a memory check tries, in order: the one asked for; for 'auto' on (unless blocks are
+    swapped in from the host), then off."""
+    if config.camera_cache != "auto":
+        return [config.camera_cache]
+    return [True, False] if swap == 0 else [False]
+
+
+def decide_camera_cache(config: FastConfig, swap: int, fits: Callable[[FastConfig], bool]) -> FastConfig:
+    """`config` with its camera cache decided (`camera_choices`): the first that `fits`, else the last (a front
+    end without `check_devices`'s plan: the ComfyUI Fast sampler)."""
+    *tries, last = (replace(config, camera_cache=c) for c in camera_choices(config, swap))
+    return next((c for c in tries if fits(c)), last)
 
 
 def condition(image: torch.Tensor, encode: Callable, frame_num: int, size: tuple, device) -> torch.Tensor:
@@ -612,8 +646,14 @@ def fast_fit_issue(
     if free_vram is None or need.peak <= free_vram:
         return None
 
+    # swapped blocks take no kept camera injections (`check_camera_cache`): a swap is suggested with them off
+    unkept = replace(config, camera_cache=False)
+    swap_prefix = "--camera_cache off " if config.camera_cache is True else ""
+
     def alternatives(vae_dtype: str) -> list:
         options = []
+        if swap_prefix and peak(unkept, vae_dtype=vae_dtype) <= free_vram:
+            options.append("--camera_cache off")
         for window in (21, 15, 12, 9, 6):
             if window >= lat_shape[0] or (config.local_attn_size != -1 and window >= config.local_attn_size):
                 continue
@@ -625,11 +665,12 @@ def fast_fit_issue(
             if peak(replace(config, kv_dtype=torch.float8_e4m3fn), vae_dtype=vae_dtype) <= free_vram:
                 options.append("--kv_dtype fp8")
         layers = files.config.num_layers
-        if swap < layers and peak(swap=layers, vae_dtype=vae_dtype) <= free_vram:
+        unkept_fits = "--camera_cache off" in options  # then no swap is needed
+        if not unkept_fits and swap < layers and peak(unkept, swap=layers, vae_dtype=vae_dtype) <= free_vram:
             fitting = next(
-                n for n in range(swap, layers + 1) if peak(swap=n, vae_dtype=vae_dtype) <= free_vram
+                n for n in range(swap, layers + 1) if peak(unkept, swap=n, vae_dtype=vae_dtype) <= free_vram
             )
-            options.append(f"--swap_blocks {fitting}")
+            options.append(f"{swap_prefix}--swap_blocks {fitting}")
         return options
 
     options = alternatives(vae_dtype)
@@ -640,7 +681,7 @@ def fast_fit_issue(
             options = [f"--vae_dtype {FIT_VAE_DTYPE} {o}" for o in alternatives(FIT_VAE_DTYPE)]
     hint = f"; would fit with {' or '.join(options)}" if options else "; fewer frames or a smaller --size"
     return (
-        f"predicted peak {need.peak / gib:.1f} GiB (model {need.model / gib:.1f}, attention caches "
+        f"predicted peak {need.peak / gib:.1f} GiB (model {need.model / gib:.1f}, {caches_label(config)} "
         f"{need.caches / gib:.1f}, chunk work (forward {'and' if need.overlap else 'or'} decode) "
         f"{need.work / gib:.1f}, condition {need.condition / gib:.1f}"
         + (f"; first-frame encode of {frames} frames {need.encode / gib:.1f}" if need.encode else "")
@@ -668,25 +709,29 @@ def check_devices(
     free: Callable,
     overlap: bool | None = None,
     ranks: int = 1,
-) -> bool:
+) -> tuple[bool, FastConfig]:
     """The memory check of a chunked run that decodes each chunk (`play`, `fast`), before anything loads: the
     DiT's `device`, with the VAE where `decode_device` is the same one (`vae_where`), and a `decode_device` of
     its own with the VAE (`decode_fit_issue`), None where this process holds no VAE (a sequence-parallel
     follower); ValueError naming the device that would not fit. `free(device)`:
     (free VRAM, available host RAM) as `planner.free_memory`. `overlap`: each chunk decodes beside the next
     chunk's forward (a `DecodeWorker`); None: on with the decode device apart, on one GPU where the plan fits
-    both side by side (else one after the other), off on the CPU. Returns `overlap` as decided."""
+    both side by side (else one after the other), off on the CPU. `config.camera_cache` 'auto': on where the plan
+    fits it too (the overlap first), never with blocks swapped in from the host; on the CPU (no plan) with none
+    swapped. Returns (`overlap` as decided, `config` with its camera cache decided)."""
     apart = decode_device is None or not same_device(device, decode_device)
     auto = overlap is None and not apart and device.type == "cuda"
     overlap = apart if overlap is None else overlap
+    cameras = camera_choices(config, swap)
+    camera = cameras[0]
     if device.type == "cuda":
         vram, ram = free(device)
 
-        def fit_issue(overlap: bool) -> str | None:
+        def fit_issue(overlap: bool, camera: bool) -> str | None:
             return fast_fit_issue(
                 files,
                 lat_shape,
-                config,
+                replace(config, camera_cache=camera),
                 quantize,
                 swap,
                 vram,
@@ -697,11 +742,13 @@ def check_devices(
                 **vae_where(apart, overlap),
             )
 
-        overlap = overlap or auto
-        issue = fit_issue(overlap)
-        if issue is not None and auto:
-            overlap = False  # one after the other
-            issue = fit_issue(overlap)
+        # the overlap (asked, or 'auto' on) with each camera cache setting, then 'auto' overlap off (one after the
+        # other): the first that fits
+        tries = [(overlap or auto, c) for c in cameras] + ([(False, c) for c in cameras] if auto else [])
+        for overlap, camera in tries:
+            issue = fit_issue(overlap, camera)
+            if issue is None:
+                break
         if issue is not None:
             raise ValueError(f"memory on {device} (the DiT): {issue}" if apart else f"memory: {issue}")
     if apart and decode_device is not None and decode_device.type == "cuda":
@@ -709,7 +756,7 @@ def check_devices(
         issue = decode_fit_issue(lat_shape, config.chunk_frames, tile, vae_dtype, vram)
         if issue is not None:
             raise ValueError(f"memory on {decode_device} (the decode device, where the VAE runs): {issue}")
-    return overlap
+    return overlap, replace(config, camera_cache=camera)
 
 
 def compile_warm_chunks(config: FastConfig, chunks: int) -> int:

@@ -121,6 +121,7 @@ class PlaySession:
         kv_dtype: str = "bf16",
         compile: bool = False,
         attention: str = "sdpa",
+        camera_cache: bool | str = "auto",
         quantize: bool | None = None,
         swap: int = 0,
         tile=None,
@@ -149,8 +150,10 @@ class PlaySession:
         if control != "cam":
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
         self.config = fast_run.fast_config(
-            shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention
+            shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention, camera_cache
         )
+        fast_run.check_camera_cache(self.config, swap)
+        self._camera_cache = camera_cache  # as asked: 'auto' is decided at each `check_memory`
         self.ranks, self.lead = ranks, distributed.rank() == 0  # rank 0 leads; the others follow()
         self._sent = time.monotonic()  # rank 0's last message to the others
         self._mid_chunk = False  # rank 0 ordered a chunk that has not finished (no stop can follow it)
@@ -256,9 +259,14 @@ class PlaySession:
 
     def check_memory(self, image: torch.Tensor) -> None:
         """ValueError naming the device and what would fit when the planner's figure is more than it has free;
-        `overlap` left to the plan is decided here (`fast_run.check_devices`)."""
-        self.overlap = fast_run.check_devices(
-            *self._plan(image),
+        `overlap` and a camera cache left to the plan are decided here (`fast_run.check_devices`), each time
+        from what was asked."""
+        files, shape, _, *rest = self._plan(image)
+        self.overlap, self.config = fast_run.check_devices(
+            files,
+            shape,
+            replace(self.config, camera_cache=self._camera_cache),
+            *rest,
             self.device,
             self._vae_device,
             free_memory,

@@ -257,12 +257,12 @@ def fast_settings(kind: str):
     return FastConfig.for_kind(CHUNKED_KINDS[kind], seed=7, local_attn_size=2 * chunk + 1, sink_size=1)
 
 
-def fast_generate(kind: str, compile: bool = False):
-    """The tiny cam model's whole chunked clip: (latent, the attention caches' bytes on this rank)."""
+def fast_generate(kind: str, compile: bool = False, camera_cache: bool = False):
+    """The tiny cam model's whole chunked clip: (latent, the caches' bytes on this rank)."""
     from lingbot_world.wan.fast import FastSession
 
     model = tiny_model()
-    config = dataclasses.replace(fast_settings(kind), compile=compile)
+    config = dataclasses.replace(fast_settings(kind), compile=compile, camera_cache=camera_cache)
     g = torch.Generator().manual_seed(8)
     y = torch.randn(20, *FAST_LAT, generator=g)
     context = torch.randn(7, 32, generator=g)
@@ -305,12 +305,12 @@ def graph_breaks() -> int:
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 
-def fast_rank(rank, world, port, out_dir, kind, compile=False):
+def fast_rank(rank, world, port, out_dir, kind, compile=False, camera_cache=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         graphs = traced_chunk_blocks() if compile else []
-        latent, cache = fast_generate(kind, compile)
+        latent, cache = fast_generate(kind, compile, camera_cache)
         out = {"latent": latent, "cache": cache, "graphs": graphs, "graph_breaks": graph_breaks()}
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         peers_done()

@@ -226,9 +226,9 @@ def test_bench_pipeline_fast_probe_fit_check(tmp_path, monkeypatch):
         assert probe.summary(None)["chunk_timings"] == [] and probe.summary(None)["steady_fps"] is None
     # --serial-decode: the CLI's one-GPU plan that fits the decode beside the next chunk's DiT is not taken
     plan = (files, lat, config, None, 0, None, "fp32", torch.device("cuda:0"), torch.device("cuda:0"))
-    assert fast_run.check_devices(*plan, lambda device: (1 << 50, None)) is True
+    assert fast_run.check_devices(*plan, lambda device: (1 << 50, None))[0] is True
     with bench_pipeline.FastProbe(serial=True).patched():
-        assert fast_run.check_devices(*plan, lambda device: (1 << 50, None)) is False
+        assert fast_run.check_devices(*plan, lambda device: (1 << 50, None))[0] is False
     assert fast_run.check_devices is real_check
 
 

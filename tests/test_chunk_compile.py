@@ -174,6 +174,47 @@ def test_steady_forwards_replay_one_recorded_graph_and_equal_the_compiled_loop(
     assert [g.replays for g in RecordedForward.made] == [4, 9]
 
 
+def test_kept_camera_injections_run_compiled_and_through_the_recorded_graph(traced_chunk_blocks, monkeypatch):
+    """FastConfig.camera_cache under compile: the camera pass runs through its own compiled function (one graph for
+    every block and chunk), the steady forwards' recorded graph reads the kept injections from fixed buffers, and
+    the chunks equal the compiled loop without the cache; a chunk without a camera drops that graph."""
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return gm.forward
+
+    runner = speed.CompiledBlocks(backend=backend, fn=speed.run_camera)
+    monkeypatch.setitem(speed._shared_runners, speed.run_camera, runner)
+    m = model()
+    y, ctx, cam = inputs()
+
+    kept = []  # each chunk's kept buffers' addresses (the recorded graph reads the first ones)
+
+    def run(camera_cache: bool, graphs: bool, cams=None):
+        s = FastSession(m, ctx, y, LAT, FastConfig(**WINDOW, compile=True, camera_cache=camera_cache), "cpu")
+        s._graphs = graphs
+        out = []
+        for c in cams or [cam[:, :, 3 * k : 3 * k + 3] for k in range(5)]:
+            out.append(s.next_chunk(c))
+            kept.append([t.data_ptr() for pair in s._cams or [] for t in pair])
+        return torch.cat(out, dim=1)
+
+    want = run(False, False)
+    monkeypatch.setattr(fast, "ForwardGraph", RecordedForward)
+    RecordedForward.made = []
+    kept.clear()
+    assert torch.equal(run(True, True), want)
+    assert len(traced) == 1 and [g.replays for g in RecordedForward.made] == [14]
+    assert kept[0] and all(ptrs == kept[0] for ptrs in kept[:-1]) and kept[-1] == []  # the last chunk closes
+    RecordedForward.made = []
+    # chunk 3 without a camera: the graph recorded with the kept injections is not replayed for it
+    cams = [cam[:, :, 3 * k : 3 * k + 3] for k in range(5)]
+    cams[3] = None
+    assert torch.equal(run(True, True, cams), run(False, False, cams))
+    assert len(RecordedForward.made) == 3
+
+
 def test_a_refused_recording_leaves_the_session_on_the_compiled_blocks(
     traced_chunk_blocks, monkeypatch, caplog
 ):
@@ -216,6 +257,16 @@ def test_front_ends_pass_compile_to_the_session_config():
     for on in (False, True):
         config, _ = chunked.settings(kind, 30, None, 0, None, None, "bf16", "0", None, compile=on)
         assert config.compile is on
+    # --camera_cache: auto by default (the memory check decides), on / off as asked; on is refused with swapped blocks
+    for command in ("fast", "play"):
+        base = [command, "--ckpt_dir", "m", "--image", "i.png", "--prompt", "p"]
+        assert parser.parse_args(base).camera_cache == "auto"
+        assert cli.AUTO_ON_OFF[parser.parse_args([*base, "--camera_cache", "on"]).camera_cache] is True
+    for asked in ("auto", False, True):
+        config, _ = chunked.settings(kind, 30, None, 0, None, None, "bf16", "0", None, camera_cache=asked)
+        assert config.camera_cache == asked
+    with pytest.raises(ValueError, match="--camera_cache on: .* --swap_blocks 2"):
+        chunked.settings(kind, 30, None, 0, None, None, "bf16", "2", None, camera_cache=True)
 
 
 @pytest.mark.slow

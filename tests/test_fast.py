@@ -5,6 +5,7 @@ hooks and interrupts."""
 
 import functools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import bitsandbytes as bnb
@@ -50,8 +51,9 @@ def golden_model() -> WanModel:
     return model
 
 
+@pytest.mark.parametrize("camera_cache", [False, True], ids=["", "camera_cache"])
 @pytest.mark.parametrize("run", ["full", "window"])
-def test_matches_upstream_chunk_loop(run):
+def test_matches_upstream_chunk_loop(run, camera_cache):
     meta, g = golden()
     (spec,) = [r for r in meta["runs"] if r["key"] == run]
     lat = (spec["lat_f"], spec["lat_h"], spec["lat_w"])
@@ -60,6 +62,7 @@ def test_matches_upstream_chunk_loop(run):
         seed=meta["seed"],
         local_attn_size=spec["local_attn_size"],
         sink_size=spec["sink_size"],
+        camera_cache=camera_cache,
     )
     session = FastSession(golden_model(), g["context"], g["y"][:, : lat[0]], lat, config, "cpu")
     flows = record_forwards(session)
@@ -146,6 +149,56 @@ def test_chunks_run_the_models_one_forward():
     assert torch.equal(flows[0], want)
 
 
+def test_camera_cache_is_bit_identical_and_made_once_per_chunk(monkeypatch):
+    """FastConfig.camera_cache: each block's camera injection made once per chunk (not in each of its 5 forwards)
+    and handed to them; the chunks equal the loop without it bit for bit, with and without a window rolling."""
+    from lingbot_world.wan.dit import WanAttentionBlock
+
+    model = tiny_fast_model()  # bf16 compute
+    y, ctx, cam = tiny_fast_inputs()
+    calls = []
+    real = WanAttentionBlock.camera
+    monkeypatch.setattr(WanAttentionBlock, "camera", lambda self, *a: calls.append(1) or real(self, *a))
+    for window in (FastConfig(), FastConfig(local_attn_size=6, sink_size=3)):
+        calls.clear()
+        want = generate_fast(model, ctx, y, cam, (9, 4, 6), window, "cpu")
+        assert len(calls) == 3 * 5 * len(model.blocks)  # 3 chunks of 4 steps + the commit
+        calls.clear()
+        got = generate_fast(model, ctx, y, cam, (9, 4, 6), replace(window, camera_cache=True), "cpu")
+        assert len(calls) == 3 * len(model.blocks)
+        assert torch.equal(got, want)
+    # 'auto' that no planner decided runs as off; no camera: nothing kept
+    s = FastSession(model, ctx, y, (9, 4, 6), FastConfig(camera_cache="auto"), "cpu")
+    s.next_chunk(cam[:, :, :3])
+    assert s._cams is None
+    s = FastSession(model, ctx, y, (9, 4, 6), FastConfig(camera_cache=True), "cpu")
+    s.next_chunk(cam[:, :, :3])
+    kept = [t.data_ptr() for pair in s._cams for t in pair]
+    s.next_chunk(cam[:, :, 3:6])  # the same buffers, overwritten (a recorded CUDA graph reads them)
+    assert [t.data_ptr() for pair in s._kv.cams for t in pair] == kept
+    calls.clear()
+    s.next_chunk(None)  # no camera: nothing kept, nothing injected
+    assert s._kv.cams is None and not calls
+
+
+def test_camera_cache_is_refused_with_swapped_or_lean_blocks():
+    model = tiny_fast_model()
+    y, ctx, _ = tiny_fast_inputs()
+    model.lean_activations = True
+    try:
+        with pytest.raises(ValueError, match="camera_cache: .* lean_activations"):
+            FastSession(model, ctx, y, (9, 4, 6), FastConfig(camera_cache=True), "cpu")
+        FastSession(model, ctx, y, (9, 4, 6), FastConfig(camera_cache="auto"), "cpu")  # runs as off
+    finally:
+        model.lean_activations = False
+    model.block_swap = object()
+    try:
+        with pytest.raises(ValueError, match="camera_cache: .* swap_blocks"):
+            FastSession(model, ctx, y, (9, 4, 6), FastConfig(camera_cache=True), "cpu")
+    finally:
+        model.block_swap = None
+
+
 def test_lean_activations_run_the_chunks_too():
     model = tiny_fast_model()  # bf16 compute: the lean blocks equal the normal ones bit for bit on the CPU
     y, ctx, cam = tiny_fast_inputs()
@@ -204,6 +257,8 @@ def test_frame_rule_refuses_short_or_bad(bad):
         ("local_attn_size", -2),
         ("kv_dtype", torch.int8),
         ("kv_dtype", "fp8"),
+        ("camera_cache", "on"),
+        ("camera_cache", None),
     ],
 )
 def test_config_validation_names_the_field(field, value):
@@ -276,6 +331,7 @@ def test_kv_cache_bytes_planner_matches_session():
         FastConfig(),
         FastConfig(local_attn_size=6, sink_size=3),
         FastConfig(kv_dtype=torch.float8_e5m2),
+        FastConfig(camera_cache=True),
     ):
         s = FastSession(model, ctx, y, (12, 4, 6), fast, "cpu")
         s.next_chunk(cam[:, :, :3])  # the cross-attention cache exists from the first forward on
@@ -290,6 +346,8 @@ def test_kv_cache_bytes_planner_matches_session():
         kv_cache_bytes_for(cfg, (12, 4, 6), FastConfig(local_attn_size=6, sink_size=3))
         == 6 * per_frame + cross
     )
+    cams = 2 * cfg.num_layers * cfg.dim * 2 * 3 * tokens  # scale and shift of a chunk's 3 frames, bf16
+    assert kv_cache_bytes_for(cfg, (12, 4, 6), FastConfig(camera_cache=True)) == 12 * per_frame + cross + cams
 
 
 def test_attention_backend_is_used():

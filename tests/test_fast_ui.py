@@ -6,6 +6,7 @@ import io
 import os
 import sys
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from lingbot_world.wan.actions import actions_to_poses
 from lingbot_world.wan.camera import camera_conditioning, relative_poses
 from lingbot_world.wan.camera_presets import preset_intrinsics
 from lingbot_world.wan.config import CHUNKED_KINDS
-from lingbot_world.wan.fast import FastConfig, generate_fast
+from lingbot_world.wan.fast import FastConfig, camera_cache_bytes, generate_fast
 from lingbot_world.wan.fast_camera import KEY_STEP, parse_keys_line, pose_camera
 from lingbot_world.wan.vae import to_comfy_latent
 from PIL import Image
@@ -371,7 +372,8 @@ def test_fast_node_asks_comfyui_for_the_planners_figure(fast_ckpt, shipped_examp
     for window, kv in ((-1, "bf16"), (3, "fp8")):
         calls.clear()
         fast_sample(nodes, model, vae, image, window=window, kv=kv, camera=camera, text=text)
-        config = fast_run.fast_config(10.0, 5, window, 0, kv)
+        # LingBot Speed's default camera_cache 'auto' keeps the camera injections where they fit: here (no VRAM)
+        config = fast_run.fast_config(10.0, 5, window, 0, kv, camera_cache=True)
         need = fast_run.fast_memory(files, (6, *SIZE[:2]), config, None, 0, "auto", decode=False)
         assert calls == [(need.model + need.caches + need.work + need.condition, torch.device("cpu"))], window
         asked[window], caches[window] = calls[0][0], need.caches
@@ -382,6 +384,13 @@ def test_fast_node_asks_comfyui_for_the_planners_figure(fast_ckpt, shipped_examp
             and asked[window] < cli.loop - cli.model
         )
     assert asked[-1] - asked[3] == caches[-1] - caches[3] > 0
+    # camera_cache off: asked for less by exactly the kept injections
+    (off,) = nodes.LingBotSpeed().options("sdpa", False, "none", 0.05, 7, 1, camera_cache="off")
+    assert off.camera_cache is False
+    calls.clear()
+    fast_sample(nodes, model, vae, image, window=3, kv="fp8", camera=camera, text=text, speed=off)
+    config = fast_run.fast_config(10.0, 5, 3, 0, "fp8", camera_cache=True)
+    assert asked[3] - calls[0][0] == camera_cache_bytes(files.config, (6, *SIZE[:2]), config) > 0
 
 
 def test_fast_node_turns_cuda_oom_into_a_clear_error(
@@ -563,13 +572,91 @@ def test_fast_plans_the_decode_device_apart(
     assert need.encode == need.work_decode == 0 and decode > 0
     check = functools.partial(fast_run.check_devices, files, shape, config, None, 0, None, "fp32", dit, vae)
     free.update({0: need.peak, 1: decode})
-    assert check(planner.free_memory) is True  # apart: the decode overlaps the next chunk
+    assert check(planner.free_memory) == (True, config)  # apart: the decode overlaps the next chunk
     free[1] = decode - 1
     with pytest.raises(ValueError, match=r"^memory on cuda:1 \(the decode device"):
         check(planner.free_memory)
     free.update({0: need.peak - 1, 1: decode})
     with pytest.raises(ValueError, match=r"^memory on cuda:0 \(the DiT\)"):
         check(planner.free_memory)
+
+
+def test_fast_camera_cache_on_with_swapped_blocks_is_one_clear_error(
+    fast_ckpt, shipped_example, tmp_path, capsys, nothing_loads
+):
+    out = tmp_path / "never.mp4"
+    args = fast_args(fast_ckpt, shipped_example, out, "--camera_cache", "on", "--swap_blocks", "1")
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and not out.exists(), err
+    assert "--camera_cache on" in err and "--swap_blocks 1" in err, err
+
+
+def test_fast_without_a_camera_keeps_no_camera_injections(
+    fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch
+):
+    """No camera (no path, preset or keys): nothing to keep, so 'auto' and on are planned and run as off."""
+    asked = []
+
+    def check_devices(files, lat_shape, config, *args, **kwargs):
+        asked.append(config.camera_cache)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(fast_run, "check_devices", check_devices)
+    out = tmp_path / "never.mp4"
+    for extra, want in (
+        ((), False),
+        (("--camera_cache", "on"), False),
+        (("--action_path", str(shipped_example)), "auto"),
+    ):
+        assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--frame_num", "9", *extra)) == 2
+        assert "stop here" in capsys.readouterr().err
+        assert asked.pop() == want, extra
+
+
+def test_check_devices_decides_the_camera_cache(fast_ckpt, monkeypatch):
+    """--camera_cache auto: on where the plan fits it beside the overlap, off where it fits only without it (the
+    overlap kept first) and with blocks swapped; on the CPU (no plan) on with none swapped. Asked for on, it is
+    counted (a refusal says so) and refused with blocks swapped."""
+    monkeypatch.setattr(fast_run, "first_frame_encode", lambda *a: 0)  # the tiny model's peak: the chunk loop
+    files = resolve_fast_dir(fast_ckpt)
+    auto = fast_run.fast_config(None, 0, None, None, "bf16", files.kind, camera_cache="auto")
+    shape, gpu, cpu = (6, 6, 14), torch.device("cuda:0"), torch.device("cpu")
+
+    def need(camera, overlap, swap=0):
+        config = replace(auto, camera_cache=camera)
+        return fast_run.fast_memory(
+            files, shape, config, None, swap, None, **fast_run.vae_where(False, overlap)
+        ).peak
+
+    cams = need(True, True) - need(False, True)
+    assert cams == camera_cache_bytes(files.config, shape, replace(auto, camera_cache=True)) > 0
+
+    def check(vram, config=auto, swap=0, device=gpu):
+        free = lambda device: (vram, None)  # noqa: E731
+        overlap, decided = fast_run.check_devices(
+            files, shape, config, None, swap, None, "fp32", device, device, free
+        )
+        assert replace(decided, camera_cache=config.camera_cache) == config  # nothing else changes
+        return overlap, decided.camera_cache
+
+    # (overlap, camera cache): the first of these that fits
+    tries = [(True, True), (True, False), (False, True), (False, False)]
+    for vram in sorted({need(c, o) for o, c in tries}):
+        assert check(vram) == next((o, c) for o, c in tries if need(c, o) <= vram)
+    assert check(need(False, True)) == (True, False)  # the overlap before the camera cache
+    with pytest.raises(ValueError, match="predicted peak"):
+        check(min(need(c, o) for o, c in tries) - 1)
+    assert check(1 << 50, swap=1) == (True, False)
+    assert check(None, device=cpu) == (False, True)
+    on = replace(auto, camera_cache=True)
+    with pytest.raises(
+        ValueError, match="attention and camera caches .* would fit with .*--camera_cache off"
+    ):
+        check(need(True, False) - 1, on)
+    with pytest.raises(ValueError, match=r"--camera_cache on: .* --swap_blocks 2"):
+        fast_run.check_camera_cache(on, 2)
+    fast_run.check_camera_cache(auto, 2)
 
 
 def test_fast_decode_worker_takes_the_compile_warm_up_one_chunk_at_a_time():

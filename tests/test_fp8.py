@@ -263,7 +263,9 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
     with pytest.raises(ValueError, match="speed fp8_linears: fp8 linears need a CUDA GPU"):
         fast_sample(nodes, model, vae, image, text=text, speed=speed)
     (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
-    with pytest.raises(ValueError, match="speed: the Fast sampler takes attention, compile and fp8_linears"):
+    with pytest.raises(
+        ValueError, match="speed: the Fast sampler takes attention, compile, fp8_linears and camera_cache"
+    ):
         fast_sample(nodes, model, vae, image, text=text, speed=cached)
 
 

@@ -213,5 +213,7 @@ def test_speed_node_fp8_attention_refused_in_both_samplers(
     with pytest.raises(ValueError, match="speed attention: attention 'fp8' runs cuDNN"):
         nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=speed)
     (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
-    with pytest.raises(ValueError, match="speed: Play takes attention, compile and fp8_linears"):
+    with pytest.raises(
+        ValueError, match="speed: Play takes attention, compile, fp8_linears and camera_cache"
+    ):
         nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=cached)

@@ -390,3 +390,17 @@ def test_speed_node_widget(fake_comfy, tmp_path):
     with pytest.raises(ValueError, match="lean_activations"):
         node.options("sdpa", True, "none", 0.05, 7, 1, lean_activations="on")
     assert nodes.sampler.PLAN_NAMES["lean_activations"]
+    # camera_cache: optional, after fp8_linears (saved workflows keep their widget order); the chunked nodes'
+    # (the base-cam sampler refuses on, before any work)
+    assert list(spec["optional"])[-1] == "camera_cache" and spec["optional"]["camera_cache"][0] == [
+        "auto",
+        "on",
+        "off",
+    ]
+    assert node.options(*args)[0].camera_cache == "auto"
+    assert node.options(*args, camera_cache="on")[0].camera_cache is True
+    with pytest.raises(ValueError, match="camera_cache"):
+        node.options(*args, camera_cache="maybe")
+    with pytest.raises(ValueError, match="speed camera_cache: on keeps a chunk's camera injections"):
+        nodes.speed.check_base_cam_speed(node.options(*args, camera_cache="on")[0], "cpu")
+    nodes.speed.check_base_cam_speed(node.options(*args, camera_cache="off")[0], "cpu")

@@ -1,5 +1,7 @@
 """Sequence parallel (Ulysses) on the CPU with gloo: N ranks give the one-process result."""
 
+import dataclasses
+
 import parallel_worker as worker
 import pytest
 import torch
@@ -270,15 +272,23 @@ def test_step_cache_takes_the_shared_decision():
     assert all(not s and a == 0.0 for s, a in vetoed)
 
 
-@pytest.mark.parametrize("kind", ["fast", "v2-1.3b"])
-def test_chunked_generation_split_across_ranks_equals_one_process(kind, tmp_path):
+@pytest.mark.parametrize(
+    "kind, camera_cache",
+    [("fast", False), ("v2-1.3b", False), ("fast", True)],
+    ids=["fast", "v2", "fast-cams"],
+)
+def test_chunked_generation_split_across_ranks_equals_one_process(kind, camera_cache, tmp_path):
     """v1 Fast (3-frame chunks, tokens padded across the ranks) and v2 (4-frame chunks) with a rolling window
     and a sink: two ranks give the one-process clip, each rank's K/V cache holding half the heads (as the
-    planner counts it)."""
+    planner counts it); with the camera injections kept, each rank keeps its share of the (padded) tokens',
+    against the one-process clip without them."""
     with one_thread():  # as the spawned ranks run
-        expected, cache = worker.fast_generate(kind)
-    mp.spawn(worker.fast_rank, args=(2, free_port(), str(tmp_path), kind), nprocs=2)
-    model, config = worker.tiny_model(), worker.fast_settings(kind)
+        expected, cache = worker.fast_generate(kind, camera_cache=camera_cache)
+        if camera_cache:
+            torch.testing.assert_close(expected, worker.fast_generate(kind)[0], rtol=0, atol=0)
+    mp.spawn(worker.fast_rank, args=(2, free_port(), str(tmp_path), kind, False, camera_cache), nprocs=2)
+    model = worker.tiny_model()
+    config = dataclasses.replace(worker.fast_settings(kind), camera_cache=camera_cache)
     planned = [kv_cache_bytes_for(model.config, worker.FAST_LAT, config, torch.float32, n) for n in (1, 2)]
     assert cache == planned[0]
     for rank in range(2):

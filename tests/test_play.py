@@ -2,6 +2,7 @@
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -225,7 +226,7 @@ def test_play_plans_the_decode_device_apart(fast_ckpt, image, monkeypatch):
     chunk's decode; a refusal names the device that would not fit. On one device with `overlap` the forward
     and the decode are counted together."""
     files = resolve_fast_dir(fast_ckpt)
-    kw = {"area": 64 * 112, "condition_frames": 4}
+    kw = {"area": 64 * 112, "condition_frames": 4, "camera_cache": False}  # its 'auto': tests/test_fast_ui.py
     apart = play.PlaySession(files, "cuda:0", decode_device="cuda:1", **kw)
     alone = play.PlaySession(files, "cuda:0", **kw)
     assert apart.overlap and not alone.overlap
@@ -267,6 +268,30 @@ def test_play_plans_the_decode_device_apart(fast_ckpt, image, monkeypatch):
     asked.clear()
     explicit.check_memory(image)
     assert not explicit.overlap and asked == [False]
+
+
+def test_play_decides_the_camera_cache_at_each_memory_check(fast_ckpt, image, monkeypatch):
+    """`camera_cache` 'auto' (play's default) is decided by each `check_memory` from what was asked: on where the
+    plan fits it, off where only the plan without it fits; the figure `memory` gives then counts what was decided."""
+    monkeypatch.setattr(play.fast_run, "first_frame_encode", lambda *a: 0)  # the tiny model's peak: the loop
+    files = resolve_fast_dir(fast_ckpt)
+    session = play.PlaySession(files, "cuda:0", area=64 * 112, condition_frames=4, overlap=False)
+    assert session.config.camera_cache == "auto"
+    plain = session.memory(image)  # 'auto' not yet decided: counted as off
+    session.config = replace(session.config, camera_cache=True)
+    kept = session.memory(image)
+    session.config = replace(session.config, camera_cache="auto")
+    assert kept.caches > plain.caches and kept.peak > plain.peak
+    free = {}
+    monkeypatch.setattr(play, "free_memory", lambda device: (free["vram"], None))
+    for vram, decided in ((kept.peak, True), (kept.peak - 1, False), (kept.peak, True)):
+        free["vram"] = vram
+        session.check_memory(image)
+        assert session.config.camera_cache is decided, vram
+        assert session.memory(image).peak == (kept if decided else plain).peak
+    free["vram"] = plain.peak - 1
+    with pytest.raises(ValueError, match="memory: predicted peak"):
+        session.check_memory(image)
 
 
 def test_compiled_play_warms_up_unseen_and_then_plays_as_a_fresh_session(

@@ -284,9 +284,11 @@ class WanCrossAttention(WanSelfAttention):
 
 class Bidirectional:
     """The pluggable piece of the one DiT block (`WanAttentionBlock.forward`): which keys and values its
-    attention reads. This one is the bidirectional experts': self-attention over the forward's own tokens,
-    cross-attention over text keys computed in every block from the forward's embedded text.
-    `wan.fast.ChunkCausal` is the chunk-causal one (a K/V cache of the past chunks, text keys kept)."""
+    attention reads, and where its camera injection comes from. This one is the bidirectional experts':
+    self-attention over the forward's own tokens, cross-attention over text keys computed in every block from
+    the forward's embedded text, the camera injection computed in every block from the camera tokens.
+    `wan.fast.ChunkCausal` is the chunk-causal one (a K/V cache of the past chunks, text keys kept, and
+    optionally each block's camera injection kept for all the forwards of a chunk)."""
 
     def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Block `layer`'s rotated keys and values of this forward -> what its queries attend to."""
@@ -295,6 +297,10 @@ class Bidirectional:
     def text_kv(self, layer: int, cross: "WanCrossAttention", context, dtype):
         """Block `layer`'s text keys and values (`cross.context_kv` of the embedded text `context`)."""
         return cross.context_kv(context, dtype)
+
+    def camera(self, layer: int, block: "WanAttentionBlock", cam, dtype):
+        """Block `layer`'s camera injection (scale, shift) of camera tokens `cam` (None: no camera)."""
+        return None if cam is None else block.camera(cam, dtype)
 
 
 BIDIRECTIONAL = Bidirectional()
@@ -326,8 +332,9 @@ class WanAttentionBlock(nn.Module):
             self.attention_input(x, e), grid, freqs, dtype, functools.partial(kv.self_kv, layer)
         )
         x = x + y * e[2]
-        if cam is not None:
-            scale, shift = self.camera(cam, dtype)
+        injection = kv.camera(layer, self, cam, dtype)
+        if injection is not None:
+            scale, shift = injection
             x = (1.0 + scale) * x + shift
         x = x + self.cross_attn.attend(
             self.norm3(x), *kv.text_kv(layer, self.cross_attn, context, dtype), dtype
@@ -560,6 +567,28 @@ class WanModel(nn.Module):
         c = linear(self.patch_embedding_wancamctrl, tokens, dtype)
         h = linear(self.c2ws_hidden_states_layer1, c, dtype)
         return c + linear(self.c2ws_hidden_states_layer2, F.silu(h), dtype)
+
+    def camera_injections(
+        self, cam_tokens: torch.Tensor, dtype, out: list | None = None, runner=None
+    ) -> list:
+        """Every block's camera injection (`WanAttentionBlock.camera`: its (scale, shift), [L, dim] each) of
+        `embed_camera`'s tokens (under sequence parallel, of this rank's token share, as `forward_tokens` splits
+        them), as a list of pairs; `out`: an earlier call's list, whose buffers are overwritten and returned (fixed
+        addresses, which a recorded CUDA graph reads). `runner(block, cam, dtype)`: a compiled `block.camera`
+        (None: plain calls). A chunked session runs it once per chunk and hands the pairs to every forward of the
+        chunk (`wan.fast.ChunkCausal`): the values each forward would compute."""
+        sp = self.sequence_parallel
+        if sp is not None:
+            cam_tokens = sp.split(cam_tokens)
+        pairs = []
+        for i, block in enumerate(self.blocks):
+            made = block.camera(cam_tokens, dtype) if runner is None else runner(block, cam_tokens, dtype)
+            if out is not None:
+                for buffer, value in zip(out[i], made, strict=True):
+                    buffer.copy_(value)
+                made = out[i]
+            pairs.append(tuple(made))
+        return pairs
 
     def forward(self, x, t, context, seq_len=None, y=None, cam=None):
         """One denoising prediction.

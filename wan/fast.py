@@ -104,6 +104,10 @@ class FastConfig:
     chunk_frames: int = CHUNK_FRAMES  # latent frames per chunk
     compile: bool = False  # compiled blocks once the window is full (`ChunkBlocks`); off: the exact loop
     attention: str = "sdpa"  # the `wan.attention` backend of every forward (sdpa: the exact loop)
+    # True: each block's camera injection made once per chunk and kept for its forwards (the same values; memory
+    # `camera_cache_bytes`). 'auto': the session layer's memory plan decides; an 'auto' it did not resolve runs as
+    # off. Not with blocks swapped in from the host or the lean blocks.
+    camera_cache: bool | str = False
 
     @property
     def roll_chunks(self) -> int:
@@ -165,6 +169,8 @@ class FastConfig:
             )
         if not isinstance(self.compile, bool):
             raise ValueError(f"compile: expected True or False, got {self.compile!r}")
+        if not (isinstance(self.camera_cache, bool) or self.camera_cache == "auto"):
+            raise ValueError(f"camera_cache: expected True, False or 'auto', got {self.camera_cache!r}")
         if self.attention not in attention.names():
             raise ValueError(f"attention: expected one of {attention.names()}, got {self.attention!r}")
         kv = self.kv_dtype
@@ -182,18 +188,31 @@ def cache_frames(lat_f: int, fast: FastConfig) -> int:
     return lat_f if fast.local_attn_size == -1 else min(fast.local_attn_size, lat_f)
 
 
+def camera_cache_bytes(
+    config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16, ranks: int = 1
+) -> int:
+    """Bytes of the kept camera injections (`FastConfig.camera_cache` True; else 0): each block's scale and
+    shift [chunk tokens, dim] in the compute dtype, of each rank's token share under sequence parallel."""
+    if fast.camera_cache is not True or config.control_type is None:
+        return 0
+    _, lat_h, lat_w = lat_shape
+    tokens = -(-_frame_seqlen(lat_h, lat_w, config.patch_size) * fast.chunk_frames // ranks)
+    return 2 * config.num_layers * tokens * config.dim * compute_dtype.itemsize
+
+
 def kv_cache_bytes_for(
     config: DiTConfig, lat_shape, fast: FastConfig, compute_dtype=torch.bfloat16, ranks: int = 1
 ) -> int:
-    """Bytes the self- and cross-attention caches of a Fast generation hold (planner), on each of `ranks`
-    sequence-parallel ranks (each keeps its share of the heads' self-attention keys, the text keys whole)."""
+    """Bytes a Fast generation's caches hold (planner), on each of `ranks` sequence-parallel ranks: the self- and
+    cross-attention keys (each rank keeps its share of the heads' self-attention keys, the text keys whole) and
+    the kept camera injections (`camera_cache_bytes`)."""
     lat_f, lat_h, lat_w = lat_shape
-    itemsize = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
     tokens = _frame_seqlen(lat_h, lat_w, config.patch_size) * cache_frames(lat_f, fast)
     per_token = 2 * config.num_layers * config.dim
+    kv_itemsize = (fast.kv_dtype or compute_dtype).itemsize
     return per_token * (
-        tokens * itemsize(fast.kv_dtype or compute_dtype) // ranks + config.text_len * itemsize(compute_dtype)
-    )
+        tokens * kv_itemsize // ranks + config.text_len * compute_dtype.itemsize
+    ) + camera_cache_bytes(config, lat_shape, fast, compute_dtype, ranks)
 
 
 class SelfKVCache:
@@ -283,6 +302,7 @@ class ChunkCausal(Bidirectional):
     def __init__(self, cache: SelfKVCache, num_layers: int):
         self.cache = cache
         self.text: list = [None] * num_layers
+        self.cams: list | None = None  # each block's camera injection of the chunk, kept (`FastSession`)
 
     def self_kv(self, layer, k, v):
         return self.cache.write(layer, k, v)
@@ -292,9 +312,16 @@ class ChunkCausal(Bidirectional):
             self.text[layer] = cross.context_kv(context, dtype)
         return self.text[layer]
 
+    def camera(self, layer, block, cam, dtype):
+        if self.cams is not None:
+            return self.cams[layer]
+        return super().camera(layer, block, cam, dtype)
+
     def layer(self, i: int) -> "LayerKeys":
-        """Block i's keys alone (its cache tensors and text keys, once the text's keys exist)."""
-        return LayerKeys(self.cache, self.cache.k[i], self.cache.v[i], self.text[i])
+        """Block i's keys alone (its cache tensors and text keys, once the text's keys exist; its kept camera
+        injection, if any)."""
+        cams = None if self.cams is None else self.cams[i]
+        return LayerKeys(self.cache, self.cache.k[i], self.cache.v[i], self.text[i], cams)
 
 
 class LayerKeys(Bidirectional):
@@ -302,14 +329,17 @@ class LayerKeys(Bidirectional):
     the whole `ChunkCausal`, so one graph serves every block (an index would be a constant of the graph).
     Its methods ignore the layer argument."""
 
-    def __init__(self, cache: SelfKVCache, k: torch.Tensor, v: torch.Tensor, text):
-        self.cache, self.k, self.v, self.text = cache, k, v, text
+    def __init__(self, cache: SelfKVCache, k: torch.Tensor, v: torch.Tensor, text, cam=None):
+        self.cache, self.k, self.v, self.text, self.cam = cache, k, v, text, cam
 
     def self_kv(self, layer, k, v):
         return self.cache.store(self.k, self.v, k, v)
 
     def text_kv(self, layer, cross, context, dtype):
         return self.text
+
+    def camera(self, layer, block, cam, dtype):
+        return self.cam if self.cam is not None else super().camera(layer, block, cam, dtype)
 
 
 class ChunkBlocks:
@@ -437,6 +467,17 @@ class FastSession:
             self.device,
         )
         self._kv = ChunkCausal(self._cache, len(model.blocks))
+        if config.camera_cache is True:
+            # made before a chunk's forwards, for whole blocks: every block on the device, the normal (not lean) blocks
+            setting = "swap_blocks" if model.block_swap is not None else None
+            setting = "lean_activations" if getattr(model, "lean_activations", False) else setting
+            if setting is not None:
+                raise ValueError(
+                    f"camera_cache: the kept camera injections are made before a chunk's forwards, for whole blocks "
+                    f"on the device; turn off camera_cache or {setting}"
+                )
+        self._cams: list | None = None  # the kept camera injections' buffers (`_camera_pass`)
+        self._camera_runner = None
         self._runner = self._growing = None
         # compiled on CUDA: the steady forward as a CUDA graph (`_graphed`; not under sequence parallel, whose
         # collectives it would have to record, nor with blocks swapped in from the host)
@@ -445,10 +486,15 @@ class FastSession:
         )
         self._graph: ForwardGraph | None = None
         self._graph_warm = False  # a steady forward ran compiled in this session: the next one records
+        self._graph_camera = None  # how the graph's forwards read the camera (`_graphed`)
         if config.compile:
             if getattr(model, "lean_activations", False):
                 raise ValueError("compile: the lean blocks do not run compiled; turn off lean_activations")
             blocks = speed.chunk_block_runner(self.device)
+            if config.camera_cache is True:
+                self._camera_runner = speed.shared_runner(
+                    speed.run_camera, self.device, "the camera injections"
+                )
             self._runner = None if blocks is None else ChunkBlocks(blocks)
             # live play's chunks before the window is full (each rollout's first), compiled with symbolic placement
             # (play traces them in its unseen warm-up); a whole clip's and sequence parallel's run eagerly
@@ -519,6 +565,11 @@ class FastSession:
         def forward(x, y, t, rope, cam=None):
             return m.forward_tokens(x, y, t, None, cam, kv=self._kv, runner=run, rope=rope)
 
+        # a graph reads the camera the way the chunk it recorded did (tokens, kept injections or none)
+        camera = (cam_tokens is not None, self._kv.cams is not None)
+        if self._graph is not None and self._graph_camera != camera:
+            self._graph, self._graph_warm = None, False
+        self._graph_camera = camera
         if self._graph is None:
             if not self._graph_warm:
                 self._graph_warm = True
@@ -568,6 +619,12 @@ class FastSession:
                 self._stream_inputs(k)
             m = self.model
             cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
+            self._kv.cams = None
+            if cam_tokens is not None and self.config.camera_cache is True:
+                self._kv.cams = self._cams = m.camera_injections(
+                    cam_tokens, m.compute_dtype, self._cams, self._camera_runner
+                )
+                cam_tokens = None  # the forwards read the kept injections
             latent = self._noise[k]
             steps = len(self.timesteps)
             n = self.chunk * self.frame_seqlen
@@ -643,14 +700,16 @@ class FastSession:
         """Free the caches and the remaining noise (idempotent)."""
         self._closed = True
         self._graph = None
+        self._cams = self._kv.cams = None
         self._cache.k, self._cache.v = [], []
         self._kv.text = [None] * len(self.model.blocks)
         self._noise = []
         self._y_all = None
 
     def kv_cache_bytes(self) -> int:
-        cross = sum(t.numel() * t.element_size() for kv in self._kv.text if kv is not None for t in kv)
-        return self._cache.nbytes() + cross
+        """Bytes the caches hold now: self- and cross-attention keys, and the kept camera injections."""
+        kept = [t for pair in (self._kv.text + (self._cams or [])) if pair is not None for t in pair]
+        return self._cache.nbytes() + sum(t.numel() * t.element_size() for t in kept)
 
 
 def generate_fast(model, context, y, cam, lat_shape, config: FastConfig, device, hooks=None) -> torch.Tensor:

@@ -18,6 +18,9 @@
 - ``fp8``: the DiT blocks' Linears in fp8 e4m3 with row-wise scales (`wan.fp8`; CUDA compute capability
   8.9+). A load setting: the front ends load the experts with ``quantize='fp8'`` (lossy; the deviation from
   the exact path is in benchmarks/bench_fp8.py). Compiles with the blocks (torch's own scaled matmul).
+- ``camera_cache``: the chunked samplers' kept camera injections (`wan.fast.FastConfig.camera_cache`: each
+  block's made once per chunk, the same values). 'auto' (the default): on where the memory check fits it; the
+  base-cam sampler has no chunks and refuses True.
 Guide scale 1 always runs one forward per step (the cond prediction, exactly); no option needed.
 """
 
@@ -48,6 +51,7 @@ class SpeedOptions:
     cache_keep_last: int = 1
     lean_activations: bool | str = "auto"
     fp8: bool = False
+    camera_cache: bool | str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.attention, str):
@@ -66,6 +70,8 @@ class SpeedOptions:
             )
         if not isinstance(self.fp8, bool):
             raise ValueError(f"fp8 must be True or False, got {self.fp8!r}")
+        if not (isinstance(self.camera_cache, bool) or self.camera_cache == "auto"):
+            raise ValueError(f"camera_cache must be True, False or 'auto', got {self.camera_cache!r}")
         if not (isinstance(self.lean_activations, bool) or self.lean_activations == "auto"):
             raise ValueError(f"lean_activations must be True, False or 'auto', got {self.lean_activations!r}")
         if self.compile and self.lean_activations is True:
@@ -146,6 +152,12 @@ def run_growing_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys
     """`run_chunk_block` for the chunks before the attention window is full, whose key lengths grow chunk by
     chunk: compiled with the cache's placement as symbols (dynamic shapes), so one set of graphs serves them all."""
     return run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys)
+
+
+def run_camera(block, cam, dtype):
+    """The kept camera injections' compiled function (`wan.fast.FastConfig.camera_cache`): a block's camera
+    injection alone, once per chunk."""
+    return block.camera(cam, dtype)
 
 
 def compiler_missing(device: torch.device) -> str | None:

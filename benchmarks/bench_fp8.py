@@ -77,6 +77,7 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
     "fp8",
     "fp8_compiled",
     "fp8_compiled_fp8attn",
+    "fp8_compiled_fa3fp8attn",
     "fp8_compiled_fp8attn_kv8",
     "fp8_compiled_fp8attn_kv8_nograph",
     "fp8_compiled_fa3fp8attn_kv8",

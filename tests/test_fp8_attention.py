@@ -217,3 +217,12 @@ def test_speed_node_fp8_attention_refused_in_both_samplers(
         ValueError, match="speed: Play takes attention, compile, fp8_linears and camera_cache"
     ):
         nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=cached)
+    # camera_cache on with the Fast Loader's swapped blocks: one error in the widgets' names, before any work
+    text, vae, camera, image = node_inputs(nodes, shipped_example)  # this ComfyUI's handles
+    (kept,) = nodes.LingBotSpeed().options("sdpa", False, "none", 0.05, 7, 1, camera_cache="on")
+    (swapped,) = nodes.LingBotFastLoader().load(FAST_DIR, False, 0.0, swap_blocks=1)
+    refusal = r"^camera_cache on: .* swap_blocks 1 keeps blocks in host RAM; use camera_cache auto or off"
+    with pytest.raises(ValueError, match=refusal):
+        nodes.LingBotPlay().play(swapped, vae, image, *play, text=text, speed=kept)
+    with pytest.raises(ValueError, match=refusal):
+        fast_sample(nodes, swapped, vae, image, text=text, speed=kept)

@@ -382,10 +382,14 @@ class LingBotFastSampler:
             config = replace(config, camera_cache=False)  # no camera: no injections to keep
         lat_f = fast_latent_frames(frames, chunk)
         chunks, lat_shape = lat_f // chunk, (lat_f, *size[:2])
+
         # what this node runs: the encode, then the chunks' forwards (the VAE Decode node decodes them)
-        need = fast_run.fast_memory(
-            model.planned(), lat_shape, config, None, model.swap_blocks, "auto", decode=False
-        )
+        def planned(config):
+            return fast_run.fast_memory(
+                model.planned(), lat_shape, config, None, model.swap_blocks, "auto", decode=False
+            )
+
+        need = planned(config)
         free = None
         if device.type == "cuda":  # ComfyUI unloads its models first: the check sees what the run can have
             memory.make_room(need.peak, device)
@@ -397,9 +401,7 @@ class LingBotFastSampler:
         config = fast_run.decide_camera_cache(
             config, model.swap_blocks, lambda on: fit_issue(model, lat_shape, on, free) is None
         )
-        need = fast_run.fast_memory(
-            model.planned(), lat_shape, config, None, model.swap_blocks, "auto", decode=False
-        )
+        need = planned(config)
         hooks, phases = memory.sampling_hooks(chunks)
         timings, error = [], None
         try:

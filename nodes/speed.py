@@ -14,11 +14,8 @@ COMFY = "comfy"
 # every call so the server's setting applies to our blocks as to core nodes.
 attention.register_comfy(COMFY, lambda *args, **kwargs: comfy_attention.optimized_attention(*args, **kwargs))
 DEFAULTS = SpeedOptions()
-AUTO_ON_OFF = {
-    "auto": "auto",
-    "on": True,
-    "off": False,
-}  # widget -> SpeedOptions.lean_activations, camera_cache
+# widget -> SpeedOptions.lean_activations, camera_cache
+AUTO_ON_OFF = {"auto": "auto", "on": True, "off": False}
 
 
 def check_base_cam_speed(speed: SpeedOptions | None, device) -> None:

@@ -285,13 +285,7 @@ def add_generate_args(p: argparse.ArgumentParser, planning: bool = False):
     speed.add_argument(
         "--compile", action="store_true", help="torch.compile the DiT blocks (one graph for all)"
     )
-    speed.add_argument(
-        "--fp8",
-        action="store_true",
-        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
-        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
-        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
-    )
+    add_fp8_arg(speed)
     speed.add_argument(
         "--lean_activations",
         choices=["on", "off", "auto"],
@@ -555,7 +549,8 @@ def speed_options(args) -> SpeedOptions:
             else args.cache_keep_first,
             cache_keep_last=base.cache_keep_last if args.cache_keep_last is None else args.cache_keep_last,
             lean_activations=AUTO_ON_OFF[getattr(args, "lean_activations", "auto")],
-            fp8=getattr(args, "fp8", False),
+            fp8=bool(getattr(args, "fp8", None)),
+            fp8_accum=fp8_accum(args),
         )
     except ValueError as err:  # each message starts with the option's name
         raise ValueError(f"--{err}") from None
@@ -587,6 +582,30 @@ def check_attention(args, device) -> None:
     problem = attention.problem(args.attention, device)
     if problem is not None:
         raise ValueError(f"--attention: {problem}")
+
+
+FP8_ACCUMULATIONS = ("exact", "fast")  # wan.fp8.ACCUMULATIONS, without importing torch to list them
+
+
+def add_fp8_arg(p) -> None:
+    p.add_argument(
+        "--fp8",
+        nargs="?",
+        const="exact",
+        choices=FP8_ACCUMULATIONS,
+        default=None,
+        metavar="exact|fast",
+        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
+        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
+        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact. "
+        "'--fp8 fast' also accumulates the matmuls in the tensor cores' own precision (cuBLAS fast "
+        "accumulation): faster again, a little more rounding",
+    )
+
+
+def fp8_accum(args) -> str:
+    """The fp8 linears' accumulation that --fp8 asked for ('exact' without --fp8)."""
+    return getattr(args, "fp8", None) or "exact"
 
 
 def load_quantize(args, device=None) -> bool | str | None:
@@ -1218,13 +1237,7 @@ def add_chunked_runtime_args(p: argparse.ArgumentParser, vae_tile: str):
         "plan fits it, off with --swap_blocks",
     )
     add_attention_arg(p)
-    p.add_argument(
-        "--fp8",
-        action="store_true",
-        help="run the DiT blocks' Linears in fp8 (e4m3, a scale per weight row and per token) on fp8 tensor "
-        "cores (CUDA compute capability 8.9+: Ada, Hopper, Blackwell); quantized while loading from bf16/fp32 "
-        "(or NF4, dequantized first), an fp8 folder from `quantize --format fp8` as stored. Faster, not exact",
-    )
+    add_fp8_arg(p)
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     add_text_encoder_args(p)
     p.add_argument(
@@ -1390,6 +1403,7 @@ def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
         compile=args.compile,
         attention=args.attention,
         camera_cache=AUTO_ON_OFF[args.camera_cache],
+        fp8_accum=fp8_accum(args),
     )
     image = load_image(args.image)
     size = plan_size(image.shape[1:], args.size)
@@ -1572,6 +1586,7 @@ def _run_play(args, files, device, ranks, decode_device) -> int:
         compile=args.compile,
         attention=args.attention,
         camera_cache=AUTO_ON_OFF[args.camera_cache],
+        fp8_accum=fp8_accum(args),
         quantize=load_quantize(args, device),
         swap=chunked.resolve_swap_blocks(args.swap_blocks, files.config.num_layers),
         tile=vae_tile(args.vae_tile),

@@ -27,6 +27,8 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
   `wan.fa3_attention`) where it runs, as the blocks call it and its kernel alone on prepared operands.
 - ``*_fp8attn`` / ``*_fa3attn`` / ``*_fa3fp8attn`` paths (base-cam and chunk loops): the compiled path with
   `attention='fp8'` / `'fa3'` / `'fa3_fp8'` as well; their floor counts that backend's kernel in place of SDPA's.
+- ``*_cams`` (chunk loops): the kept camera injections; ``*_fastacc``: the fp8 linears' fast accumulation
+  (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too.
 
     python benchmarks/bench_fp8.py --scale full --paths bf16 fp8_compiled fp8_compiled_fp8attn   # paths to run
     python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
@@ -83,16 +85,22 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
     "fp8_compiled_fa3fp8attn_kv8",
     "fp8_cams",
     "fp8_compiled_fa3fp8attn_kv8_cams",
+    "fp8_fastacc",
+    "fp8_compiled_fa3fp8attn_fastacc",
+    "fp8_compiled_fa3fp8attn_kv8_cams_fastacc",
 )
 # a path's attention backend, by the part of its name that says so (none: SDPA)
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
+FASTACC = "_fastacc"  # the fp8 linears' fast accumulation (`wan.fp8.accumulation`)
+CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-cam has no cache nor chunks)
 
 
 def path_options(name: str) -> dict:
-    """A path's name -> its settings (fp8 Linears, compiled, attention backend)."""
+    """A path's name -> its settings (fp8 Linears and their accumulation, compiled, attention backend)."""
     return {
         "fp8": name.startswith("fp8"),
+        "fp8_accum": "fast" if FASTACC in name else "exact",
         "compile": "_compiled" in name,
         "attention": next((a for tag, a in ATTENTION_TAGS.items() if tag in name), "sdpa"),
     }
@@ -100,7 +108,7 @@ def path_options(name: str) -> dict:
 
 def camera_cached(name: str) -> bool:
     """`_cams` (chunk loops): each block's camera injection made once per chunk (`FastConfig.camera_cache`)."""
-    return name.endswith(CAMS)
+    return CAMS in name
 
 
 def path_skip(name: str, args, device, compile_issue) -> str | None:
@@ -202,13 +210,14 @@ def floor_sequence(
     use_fp8: bool,
     attn: str = "sdpa",
     camera_once: bool = False,
+    fast_accum: bool = False,
 ) -> float:
     """Sustained seconds of the kernels alone, back to back: per block the GEMMs at the real shapes with their
     biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
     (SDPA bf16; `attn` 'fp8' / 'fa3' / 'fa3_fp8': that backend's kernel for the self-attention, fp8 operands
     quantized beforehand; cross-attention stays SDPA, as the backends keep short key sets on bf16 kernels);
     `text_tokens` 0: cross k/v cached (the chunk loop); `camera_once`: the camera's 4 GEMMs per block once for
-    all `forwards` (the kept camera injections)."""
+    all `forwards` (the kept camera injections); `fast_accum`: the scaled matmuls' fast accumulation."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -223,7 +232,13 @@ def floor_sequence(
         def gemm(a, w, b):
             (aq, sa), (wq, sw) = quant[id(a)], quant[id(w)]
             return torch._scaled_mm(
-                aq, wq.t(), scale_a=sa[:, None], scale_b=sw[None, :], bias=b, out_dtype=torch.bfloat16
+                aq,
+                wq.t(),
+                scale_a=sa[:, None],
+                scale_b=sw[None, :],
+                bias=b,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=fast_accum,
             )
     else:
         gemm = F.linear
@@ -258,24 +273,26 @@ def floor_sequence(
     return min(timed(sequence, device, 2))
 
 
-def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates, cams: tuple = ()) -> dict:
-    """Each precision's and attention kernel's sustained floor (`floor_sequence`), and for the paths `cams` (with
-    the kept camera injections) theirs with the camera's GEMMs once (`floor_key`)."""
+def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates, paths: tuple = ()) -> dict:
+    """Each precision's and attention kernel's sustained floor (`floor_sequence`), and for the `paths` with the
+    kept camera injections or fast accumulation theirs: the camera's GEMMs once, the fp8 GEMMs accumulating fast
+    (`floor_key`)."""
     out = {}
     runs = [("bf16", False, "sdpa"), ("fp8", True, "sdpa")]
     for tag, attn in ATTENTION_TAGS.items():
         if attention.problem(attn, device) is None:
             runs += [(f"bf16{tag}", False, attn), (f"fp8{tag}", True, attn)]
-    runs = [(name, use_fp8, attn, False) for name, use_fp8, attn in runs]
-    keys = {floor_key(path) for path in cams}
-    runs += [
-        (name + CAMS, use_fp8, attn, True)
-        for name, use_fp8, attn, _ in runs
-        if f"{name}{CAMS}_sustained_s" in keys
-    ]
-    for name, use_fp8, attn, once in runs:
-        seq = floor_sequence(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn, once)
-        out[f"{name}_sustained_s"] = round(seq, 5)
+    runs = [(f"{name}_sustained_s", use_fp8, attn, False, False) for name, use_fp8, attn in runs]
+    for path in paths:
+        options = path_options(path)
+        spec = (options["fp8"], options["attention"], camera_cached(path), options["fp8_accum"] == "fast")
+        if spec[2] or spec[3]:
+            runs.append((floor_key(path), *spec))
+    for key, use_fp8, attn, once, fast in dict.fromkeys(runs):
+        seq = floor_sequence(
+            cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn, once, fast
+        )
+        out[key] = round(seq, 5)
     # the GEMM FLOPs at each precision's sustained rate, plus the attention of the bf16 floor's kernels
     flops = gemm_flops(cfg, q_tokens, text_tokens, forwards)
     attn = kernel_floor(cfg, q_tokens, device, 3, forwards) if kv_tokens == q_tokens else None
@@ -305,7 +322,7 @@ def base_cam(args, device, rates) -> dict:
     exact = run_case(step, SpeedOptions(), 5.0, args.repeats)
     reference, flow_ref = exact.pop("latent"), flow()
     out["bf16_eager"] = exact
-    for path in (p for p in PATHS[1:] if not p.endswith(("_kv8", "_nograph", CAMS))):  # chunk-loop paths
+    for path in (p for p in PATHS[1:] if not any(tag in p for tag in CHUNK_ONLY)):
         name = "fp8_eager" if path == "fp8" else path
         skip = path_skip(path, args, device, compile_issue)
         if skip:
@@ -317,10 +334,12 @@ def base_cam(args, device, rates) -> dict:
         res = run_case(step, options, 5.0, args.repeats, reference)
         res["latent_deviation"] = deviation(res.pop("latent"), reference)
         if not options.compile:
-            res["flow_deviation"] = deviation(flow(), flow_ref)
+            with fp8.accumulation(options.fp8_accum):
+                res["flow_deviation"] = deviation(flow(), flow_ref)
         out[name] = res
         print(f"base_cam {name}: {res}", file=sys.stderr)
-    out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates)
+    timed = [name for name in PATHS if "step_s" in out.get(name, {})]
+    out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates, timed)
     base = out.get("bf16_compiled", {}).get("step_s")
     timed_paths = [name for name, res in out.items() if isinstance(res, dict) and "step_s" in res]
     for name in timed_paths:
@@ -337,7 +356,8 @@ def floor_key(path: str) -> str:
     """The `floors` entry a path is measured against (its Linears' precision; its attention kernel)."""
     prec = "fp8" if path.startswith("fp8") else "bf16"
     tag = next((tag for tag in ATTENTION_TAGS if tag in path), "")
-    return f"{prec}{tag}{CAMS if camera_cached(path) else ''}_sustained_s"
+    cams = CAMS if camera_cached(path) else ""
+    return f"{prec}{tag}{cams}{FASTACC if FASTACC in path else ''}_sustained_s"
 
 
 class ChunkTimer(Hooks):
@@ -413,6 +433,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
             attention=options["attention"],
             kv_dtype=kv,
             camera_cache=camera_cached(name),
+            fp8_accum=options["fp8_accum"],
         )
         session = FastSession(model, context, y, lat_shape, run_config, device, timer)
         # `_nograph`: compiled blocks without the chunk loop's CUDA graph (`FastSession._graphed`)
@@ -458,8 +479,8 @@ def v2_case(kind_name, args, device, rates) -> dict:
     # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)
     forwards = len(config.timestep_index) + 1
     kv = min(out["kv_tokens_when_full"], out["q_tokens"] * chunks) or out["q_tokens"]
-    cams = [name for name in PATHS if "chunk_s" in out[name] and camera_cached(name)]
-    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates, cams)
+    timed = [name for name in PATHS if "chunk_s" in out[name]]
+    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates, timed)
     for name in PATHS:
         floor = out["floor"].get(floor_key(name))
         if "chunk_s" in out[name] and floor:

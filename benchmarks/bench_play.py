@@ -154,7 +154,11 @@ def main() -> int:
     ap.add_argument("--t5_cpu", action="store_true", help="encode the prompt on the CPU")
     ap.add_argument("--no_pace", action="store_true", help="send each frame as it is made (no pacer)")
     ap.add_argument(
-        "--fp8", action="store_true", help="the DiT blocks' Linears in fp8 (quantized while loading)"
+        "--fp8",
+        nargs="?",
+        const="exact",
+        choices=["exact", "fast"],
+        help="the DiT blocks' Linears in fp8 (quantized while loading); 'fast': their fast accumulation",
     )
     ap.add_argument("--compile", action="store_true", help="compile the DiT's chunk forward")
     ap.add_argument(
@@ -222,6 +226,7 @@ def bench(args, device: torch.device, ranks: int) -> int:
         compile=args.compile,
         attention=args.attention,
         quantize="fp8" if args.fp8 else None,
+        fp8_accum=args.fp8 or "exact",
         decode_device=args.decode_device,
         overlap={"on": True, "off": False}.get(args.overlap),
         camera_cache={"on": True, "off": False}.get(args.camera_cache, "auto"),

@@ -359,6 +359,7 @@ class LingBotFastSampler:
                 compile=speed.compile,
                 attention=speed.attention,
                 camera_cache=speed.camera_cache,
+                fp8_accum=speed.fp8_accum,
             )
         chunk = config.chunk_frames
         sizing = (

@@ -203,6 +203,7 @@ class LingBotPlay:
                 compile=speed.compile,
                 attention=speed.attention,
                 camera_cache=speed.camera_cache,  # 'auto' runs as off here: no memory check decides it
+                fp8_accum=speed.fp8_accum,
                 swap=model.swap_blocks,
                 local_attn_size=window,
                 sink_size=sink,

@@ -1,10 +1,10 @@
-"""Speed options node: attention backend, compiled blocks, lean activations, the step cache and fp8 linears for the
-samplers."""
+"""Speed options node: attention backend, compiled blocks, lean activations, the step cache, fp8 linears and their
+accumulation, and the kept camera injections for the samplers."""
 
 import comfy.ldm.modules.attention as comfy_attention
 
 from ..wan import attention
-from ..wan.fp8 import fp8_problem
+from ..wan.fp8 import ACCUMULATIONS, fp8_problem
 from ..wan.speed import SpeedOptions
 from .models import CATEGORY
 
@@ -42,12 +42,12 @@ def check_speed_input(speed: SpeedOptions | None, device) -> None:
 
 
 def check_chunked_speed(speed: SpeedOptions, device, node: str) -> None:
-    """LingBot Speed wired into a chunked node (the Fast sampler, Play): attention, compile, fp8_linears and
-    camera_cache apply; the base-cam sampler's step cache and lean blocks are refused; a choice that cannot run on `device`
+    """LingBot Speed wired into a chunked node (the Fast sampler, Play): attention, compile, fp8_linears,
+    fp8_accumulation and camera_cache apply; the base-cam sampler's step cache and lean blocks are refused; a choice that cannot run on `device`
     is named before any work."""
     if speed.cache is not None or speed.lean_activations is True:
         raise ValueError(
-            f"speed: {node} takes attention, compile, fp8_linears and camera_cache from LingBot Speed; turn off "
+            f"speed: {node} takes attention, compile, fp8_linears, fp8_accumulation and camera_cache from LingBot Speed; turn off "
             "step_cache and lean_activations there (they are the base-cam sampler's)"
         )
     check_speed_input(speed, device)  # an unknown backend or a missing package named before any work
@@ -166,6 +166,16 @@ class LingBotSpeed:
                         "here, keeps it off. Not with swapped blocks.",
                     },
                 ),
+                "fp8_accumulation": (
+                    list(ACCUMULATIONS),
+                    {
+                        "default": DEFAULTS.fp8_accum,
+                        "tooltip": "With fp8_linears: exact keeps cuBLAS's fp32 promotion of the matmuls' partial "
+                        "sums; fast accumulates in the tensor cores' own precision (faster: a v2 1.3B chunk's "
+                        "matmuls 78 -> 66 ms on an H100; a little more rounding, most in the long feed-forward "
+                        "sums). fast needs fp8_linears on.",
+                    },
+                ),
             },
         }
 
@@ -180,10 +190,20 @@ class LingBotSpeed:
         lean_activations="auto",
         fp8_linears=False,
         camera_cache="auto",
+        fp8_accumulation="exact",
     ):
         for name, value in (("lean_activations", lean_activations), ("camera_cache", camera_cache)):
             if value not in AUTO_ON_OFF:
                 raise ValueError(f"{name}: expected one of {list(AUTO_ON_OFF)}, got {value!r}")
+        if fp8_accumulation not in ACCUMULATIONS:
+            raise ValueError(
+                f"fp8_accumulation: expected one of {list(ACCUMULATIONS)}, got {fp8_accumulation!r}"
+            )
+        if fp8_accumulation != "exact" and not fp8_linears:
+            raise ValueError(
+                f"fp8_accumulation: {fp8_accumulation} is the fp8 linears' accumulation; turn fp8_linears on, "
+                "or set it to exact"
+            )
         return (
             SpeedOptions(
                 attention=attention,
@@ -195,5 +215,6 @@ class LingBotSpeed:
                 lean_activations=AUTO_ON_OFF[lean_activations],
                 fp8=fp8_linears,
                 camera_cache=AUTO_ON_OFF[camera_cache],
+                fp8_accum=fp8_accumulation,
             ),
         )

@@ -52,11 +52,12 @@ def settings(
     compile: bool = False,
     attention: str = "sdpa",
     camera_cache: bool | str = False,
+    fp8_accum: str = "exact",
 ) -> tuple[FastConfig, int]:
     """(checked FastConfig of the model kind, blocks swapped); the frame count (None: the default) checked
     against the kind's chunk and RoPE table; a camera cache asked for (True) with blocks swapped refused."""
     config = fast_run.fast_config(
-        shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention, camera_cache
+        shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention, camera_cache, fp8_accum
     )
     swap = resolve_swap_blocks(swap_blocks, num_layers)
     fast_run.check_camera_cache(config, swap)

@@ -69,12 +69,13 @@ def fast_config(
     compile: bool = False,
     attention: str = "sdpa",
     camera_cache: bool | str = False,
+    fp8_accum: str = "exact",
 ) -> FastConfig:
     """A checked FastConfig for the model kind (its chunk and step indices; shift, window and sink given
     as None are its documented run's); kv_dtype by name ('bf16' = the model's compute dtype, 'fp8' =
     float8 e4m3); `compile`: compiled blocks once the window is full (`FastConfig.compile`); `attention`: the
     forwards' attention backend (`wan.attention`); `camera_cache`: True, False or 'auto' (`check_devices` decides;
-    `FastConfig.camera_cache`)."""
+    `FastConfig.camera_cache`); `fp8_accum`: the fp8 linears' accumulation (`wan.fp8.accumulation`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
     config = FastConfig.for_kind(
@@ -87,6 +88,7 @@ def fast_config(
         compile=compile,
         attention=attention,
         camera_cache=camera_cache,
+        fp8_accum=fp8_accum,
     )
     config.validate()
     return config

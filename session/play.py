@@ -122,6 +122,7 @@ class PlaySession:
         compile: bool = False,
         attention: str = "sdpa",
         camera_cache: bool | str = "auto",
+        fp8_accum: str = "exact",
         quantize: bool | None = None,
         swap: int = 0,
         tile=None,
@@ -150,7 +151,16 @@ class PlaySession:
         if control != "cam":
             raise ValueError(f"play steers a camera model; this model's control type is {control}")
         self.config = fast_run.fast_config(
-            shift, seed, local_attn_size, sink_size, kv_dtype, kind, compile, attention, camera_cache
+            shift,
+            seed,
+            local_attn_size,
+            sink_size,
+            kv_dtype,
+            kind,
+            compile,
+            attention,
+            camera_cache,
+            fp8_accum,
         )
         fast_run.check_camera_cache(self.config, swap)
         self._camera_cache = camera_cache  # as asked: 'auto' is decided at each `check_memory`

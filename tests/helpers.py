@@ -22,6 +22,7 @@ import torch
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.stream import load_expert
+from lingbot_world.wan.config import CONTROL_CHANNELS
 from lingbot_world.wan.fast import FastSession
 from lingbot_world.wan.lora import Lora
 from PIL import Image
@@ -373,3 +374,40 @@ def tiny_fast_model():
     from lingbot_world.wan.dit import WanModel, init_random_
 
     return init_random_(WanModel.from_config(synthetic.tiny_config("cam")), seed=1).eval()
+
+
+def fp8_blocks_(model):
+    """`model` with its DiT blocks' Linears quantized to fp8 in place, as the loader's quantize='fp8' does."""
+    from lingbot_world.wan import fp8
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
+            fp8.quantize_layer_(m)
+    return model
+
+
+class TinyRun:
+    """A tiny random cam expert (bf16 as loaded, or with fp8 blocks) and one sampling run's inputs."""
+
+    def __init__(self, layers=2, use_fp8=True):
+        from lingbot_world.wan.dit import WanModel, init_random_
+
+        self.model = init_random_(WanModel.from_config(S.tiny_config("cam", num_layers=layers)), seed=2)
+        self.model.eval().requires_grad_(False)
+        if use_fp8:
+            fp8_blocks_(self.model)
+        g = torch.Generator().manual_seed(0)
+        self.noise, self.y = torch.randn(16, 2, 4, 6, generator=g), torch.randn(20, 2, 4, 6, generator=g)
+        self.context, self.context_null = torch.randn(7, 32, generator=g), torch.randn(5, 32, generator=g)
+        self.cam = torch.randn(1, CONTROL_CHANNELS["cam"], 2, 4, 6, generator=g)
+
+    def forward(self):
+        with torch.no_grad():
+            return self.model(self.noise, torch.tensor([500]), self.context, y=self.y, cam=self.cam)
+
+    def denoise(self, options):
+        from lingbot_world.wan import pipeline
+        from lingbot_world.wan.config import SampleConfig
+
+        args = (self.noise, self.y, self.context, self.context_null, self.cam, SampleConfig(sample_steps=4))
+        return pipeline.denoise(lambda which: self.model, *args, pipeline.Hooks(), speed=options)

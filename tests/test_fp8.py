@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import (
     NODE_SIZE,
+    TinyRun,
     args_for,
     counting_blocks,
     expect_clear_error,
@@ -264,40 +265,10 @@ def test_speed_node_fp8_input_and_refusal_in_both_samplers(
         fast_sample(nodes, model, vae, image, text=text, speed=speed)
     (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
     with pytest.raises(
-        ValueError, match="speed: the Fast sampler takes attention, compile, fp8_linears and camera_cache"
+        ValueError,
+        match="speed: the Fast sampler takes attention, compile, fp8_linears, fp8_accumulation and camera_cache",
     ):
         fast_sample(nodes, model, vae, image, text=text, speed=cached)
-
-
-class TinyRun:
-    """A tiny random cam expert (bf16 as loaded, or with fp8 blocks) and one sampling run's inputs."""
-
-    def __init__(self, layers=2, use_fp8=True):
-        from lingbot_world.wan.dit import WanModel, init_random_
-
-        self.model = init_random_(
-            WanModel.from_config(synthetic.tiny_config("cam", num_layers=layers)), seed=2
-        )
-        self.model.eval().requires_grad_(False)
-        if use_fp8:
-            for name, m in list(self.model.named_modules()):
-                if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
-                    fp8.quantize_layer_(m)
-        g = torch.Generator().manual_seed(0)
-        self.noise, self.y = torch.randn(16, 2, 4, 6, generator=g), torch.randn(20, 2, 4, 6, generator=g)
-        self.context, self.context_null = torch.randn(7, 32, generator=g), torch.randn(5, 32, generator=g)
-        self.cam = torch.randn(1, CONTROL_CHANNELS["cam"], 2, 4, 6, generator=g)
-
-    def forward(self):
-        with torch.no_grad():
-            return self.model(self.noise, torch.tensor([500]), self.context, y=self.y, cam=self.cam)
-
-    def denoise(self, options):
-        from lingbot_world.wan import pipeline
-        from lingbot_world.wan.config import SampleConfig
-
-        args = (self.noise, self.y, self.context, self.context_null, self.cam, SampleConfig(sample_steps=4))
-        return pipeline.denoise(lambda which: self.model, *args, pipeline.Hooks(), speed=options)
 
 
 def test_fp8_option_off_is_the_default_and_on_needs_fp8_experts():

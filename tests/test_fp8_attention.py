@@ -214,7 +214,8 @@ def test_speed_node_fp8_attention_refused_in_both_samplers(
         nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=speed)
     (cached,) = nodes.LingBotSpeed().options("sdpa", False, "easycache", 0.05, 7, 1)
     with pytest.raises(
-        ValueError, match="speed: Play takes attention, compile, fp8_linears and camera_cache"
+        ValueError,
+        match="speed: Play takes attention, compile, fp8_linears, fp8_accumulation and camera_cache",
     ):
         nodes.LingBotPlay().play(model, vae, image, *play, text=text, speed=cached)
     # camera_cache on with the Fast Loader's swapped blocks: one error in the widgets' names, before any work

@@ -390,9 +390,10 @@ def test_speed_node_widget(fake_comfy, tmp_path):
     with pytest.raises(ValueError, match="lean_activations"):
         node.options("sdpa", True, "none", 0.05, 7, 1, lean_activations="on")
     assert nodes.sampler.PLAN_NAMES["lean_activations"]
-    # camera_cache: optional, after fp8_linears (saved workflows keep their widget order); the chunked nodes'
-    # (the base-cam sampler refuses on, before any work)
-    assert list(spec["optional"])[-1] == "camera_cache" and spec["optional"]["camera_cache"][0] == [
+    # camera_cache, then fp8_accumulation: optional, after fp8_linears (saved workflows keep their widget order);
+    # camera_cache is the chunked nodes' (the base-cam sampler refuses on, before any work)
+    assert list(spec["optional"])[-2:] == ["camera_cache", "fp8_accumulation"]
+    assert spec["optional"]["camera_cache"][0] == [
         "auto",
         "on",
         "off",

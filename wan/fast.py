@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention, i2v, speed
+from . import attention, fp8, i2v, speed
 from .config import (
     NUM_TRAIN_TIMESTEPS,
     PATCH_SIZE,
@@ -108,6 +108,7 @@ class FastConfig:
     # `camera_cache_bytes`). 'auto': the session layer's memory plan decides; an 'auto' it did not resolve runs as
     # off. Not with blocks swapped in from the host or the lean blocks.
     camera_cache: bool | str = False
+    fp8_accum: str = "exact"  # fp8 linears' accumulation (`wan.fp8.accumulation`); nothing without them
 
     @property
     def roll_chunks(self) -> int:
@@ -173,6 +174,10 @@ class FastConfig:
             raise ValueError(f"camera_cache: expected True, False or 'auto', got {self.camera_cache!r}")
         if self.attention not in attention.names():
             raise ValueError(f"attention: expected one of {attention.names()}, got {self.attention!r}")
+        if self.fp8_accum not in fp8.ACCUMULATIONS:
+            raise ValueError(
+                f"fp8_accum: expected one of {', '.join(fp8.ACCUMULATIONS)}, got {self.fp8_accum!r}"
+            )
         kv = self.kv_dtype
         if kv is not None and (not isinstance(kv, torch.dtype) or not kv.is_floating_point):
             raise ValueError(f"kv_dtype: expected None or a floating torch.dtype, got {kv!r}")
@@ -529,7 +534,7 @@ class FastSession:
         rolled = self._cache.rolled
         # the growing runner from chunk 1: at chunk 0 the cache's first slot, 0, would trace as a constant
         run = None if first else self._runner if rolled else self._growing if chunk else None
-        with attention.use(self.config.attention):
+        with attention.use(self.config.attention), fp8.accumulation(self.config.fp8_accum):
             if run is not None and rolled and self._graphs and not run.failed:
                 return self._graphed(run, latent, t, chunk, cam_tokens)
             return m.forward_tokens(
@@ -621,9 +626,10 @@ class FastSession:
             cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
             self._kv.cams = None
             if cam_tokens is not None and self.config.camera_cache is True:
-                self._kv.cams = self._cams = m.camera_injections(
-                    cam_tokens, m.compute_dtype, self._cams, self._camera_runner
-                )
+                with fp8.accumulation(self.config.fp8_accum):
+                    self._kv.cams = self._cams = m.camera_injections(
+                        cam_tokens, m.compute_dtype, self._cams, self._camera_runner
+                    )
                 cam_tokens = None  # the forwards read the kept injections
             latent = self._noise[k]
             steps = len(self.timesteps)

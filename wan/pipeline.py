@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention, i2v
+from . import attention, fp8, i2v
 from .config import SampleConfig
 from .schedulers import cfg, expert_for_timestep, guide_scale_for, make_scheduler
 from .speed import SpeedOptions, SpeedStats, block_runner, check_fp8_loaded
@@ -83,7 +83,7 @@ def denoise(
         None if parallel is None else lambda skip: parallel.agree(skip, device)
     )  # one decision for all ranks
     latent = noise
-    with attention.use(speed.attention), contextlib.ExitStack() as stack:
+    with attention.use(speed.attention), fp8.accumulation(speed.fp8_accum), contextlib.ExitStack() as stack:
         runner = block_runner(speed, device)
         model = current = None
         for i, t in enumerate(timesteps):

@@ -18,6 +18,8 @@
 - ``fp8``: the DiT blocks' Linears in fp8 e4m3 with row-wise scales (`wan.fp8`; CUDA compute capability
   8.9+). A load setting: the front ends load the experts with ``quantize='fp8'`` (lossy; the deviation from
   the exact path is in benchmarks/bench_fp8.py). Compiles with the blocks (torch's own scaled matmul).
+- ``fp8_accum``: their accumulation, 'exact' (the default) or 'fast' (`wan.fp8.accumulation`: faster GEMMs, a
+  little more rounding); 'fast' needs ``fp8``.
 - ``camera_cache``: the chunked samplers' kept camera injections (`wan.fast.FastConfig.camera_cache`: each
   block's made once per chunk, the same values). 'auto' (the default): on where the memory check fits it; the
   base-cam sampler has no chunks and refuses True.
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention
+from .fp8 import ACCUMULATIONS
 
 log = logging.getLogger("LingBot-World")
 
@@ -52,6 +55,7 @@ class SpeedOptions:
     lean_activations: bool | str = "auto"
     fp8: bool = False
     camera_cache: bool | str = "auto"
+    fp8_accum: str = "exact"
 
     def __post_init__(self):
         if not isinstance(self.attention, str):
@@ -70,6 +74,10 @@ class SpeedOptions:
             )
         if not isinstance(self.fp8, bool):
             raise ValueError(f"fp8 must be True or False, got {self.fp8!r}")
+        if self.fp8_accum not in ACCUMULATIONS:
+            raise ValueError(f"fp8_accum must be one of {', '.join(ACCUMULATIONS)}, got {self.fp8_accum!r}")
+        if self.fp8_accum != "exact" and not self.fp8:
+            raise ValueError(f"fp8_accum {self.fp8_accum!r} is the fp8 linears' accumulation: turn fp8 on")
         if not (isinstance(self.camera_cache, bool) or self.camera_cache == "auto"):
             raise ValueError(f"camera_cache must be True, False or 'auto', got {self.camera_cache!r}")
         if not (isinstance(self.lean_activations, bool) or self.lean_activations == "auto"):

@@ -295,8 +295,9 @@ class LingBotFastSampler:
                 "speed": (
                     SPEED,
                     {
-                        "tooltip": "From LingBot Speed: its attention, compile (once the window is full) and "
-                        "fp8_linears apply here (step cache and lean activations are the base-cam sampler's). "
+                        "tooltip": "From LingBot Speed: its attention, compile (once the window is full), "
+                        "fp8_linears, fp8_accumulation and camera_cache apply here (step cache and lean activations "
+                        "are the base-cam sampler's). "
                         "Without it: the exact computation.",
                     },
                 ),

@@ -152,7 +152,8 @@ class LingBotPlay:
                     SPEED,
                     {
                         "tooltip": "From LingBot Speed: its attention, compile (the chunks up to the window's "
-                        "first roll play unseen first, while the blocks compile) and fp8_linears."
+                        "first roll play unseen first, while the blocks compile), fp8_linears, fp8_accumulation and "
+                        "camera_cache (kept only when on)."
                     },
                 ),
             },

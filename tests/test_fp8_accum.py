@@ -4,11 +4,13 @@ kept camera injections; the CLI's `--fp8 fast` and LingBot Speed's fp8_accumulat
 
 import pytest
 import torch
-from helpers import TinyRun, args_for, expect_clear_error, fast_sample, fp8_blocks_, node_inputs
+from helpers import TinyRun, args_for, expect_clear_error, fast_args, fast_sample, fp8_blocks_, node_inputs
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
-from lingbot_world.loaders.fast_checkpoint import FAST_DIR
+from lingbot_world.loaders.fast_checkpoint import FAST_DIR, resolve_fast_dir
 from lingbot_world.session import chunked, fast_run
+from lingbot_world.session import play as play_module
+from lingbot_world.session.play import PlaySession
 from lingbot_world.wan import fp8
 from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.dit import WanModel, init_random_
@@ -160,3 +162,86 @@ def test_speed_node_fp8_accumulation_reaches_fast_and_play(
     with pytest.raises(Asked):
         nodes.LingBotPlay().play(model, vae, image, "64*112", 3, "hold", -2, -1, text=text, speed=speed)
     assert asked == ["fast", "fast"]
+
+
+def test_cli_fast_and_play_hand_the_accumulation_to_their_runs(
+    fast_ckpt, shipped_example, tmp_path, capsys, monkeypatch, nothing_loads
+):
+    assert cli.FP8_ACCUMULATIONS == fp8.ACCUMULATIONS  # the parser's list, written out to keep torch out
+    monkeypatch.setattr(fp8, "fp8_problem", lambda device: None)  # a card with fp8 tensor cores, stood in
+    asked = []
+
+    def record(name):
+        def step(*args, **kwargs):
+            asked.append((name, kwargs.get("fp8_accum")))
+            raise ValueError(f"{name} recorded")
+
+        return step
+
+    monkeypatch.setattr(cli.chunked, "settings", record("fast"))
+    monkeypatch.setattr(play_module, "PlaySession", record("play"))  # cli imports it when play runs
+    out = tmp_path / "o.mp4"
+    assert cli.main(fast_args(fast_ckpt, shipped_example, out, "--fp8", "fast")) == 2
+    play_args = ["play", "--ckpt_dir", str(fast_ckpt), "--image", str(shipped_example / "image.jpg")]
+    assert cli.main([*play_args, "--prompt", "a castle", "--device", "cpu", "--fp8", "fast"]) == 2
+    assert cli.main([*play_args, "--prompt", "a castle", "--device", "cpu", "--fp8"]) == 2
+    assert asked == [("fast", "fast"), ("play", "fast"), ("play", "exact")]
+    assert "fast recorded" in capsys.readouterr().err and not out.exists()
+
+
+def test_play_session_config_carries_the_accumulation(fast_ckpt):
+    files = resolve_fast_dir(fast_ckpt)
+    for accum in fp8.ACCUMULATIONS:
+        session = PlaySession(files, "cpu", area=64 * 112, t5_mode="inprocess", fp8_accum=accum)
+        assert session.config.fp8_accum == accum
+    with pytest.raises(ValueError, match="fp8_accum: expected one of exact, fast, got 'fast16'"):
+        PlaySession(files, "cpu", area=64 * 112, t5_mode="inprocess", fp8_accum="fast16")
+
+
+def scaled(x, codes, scale):
+    return fp8.fp8_linear(x, codes, scale, None, torch.float32)
+
+
+def test_compiled_linear_recompiles_for_the_other_accumulation():
+    """A compiled block guards on the accumulation: switching traces the other graph (with its fast-accumulating
+    scaled matmul) once, and switching back reuses the first."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(
+            [n.kwargs.get("use_fast_accum") for n in gm.graph.nodes if "scaled_mm" in str(n.target)]
+        )
+        return gm.forward
+
+    compiled = torch.compile(scaled, backend=backend)
+    codes, scale = fp8.quantize_rows(torch.randn(16, 32))
+    x = torch.randn(4, 32)
+    compiled(x, codes, scale)
+    with fp8.accumulation("fast"):
+        compiled(x, codes, scale)
+    compiled(x, codes, scale)
+    assert graphs == [[False], [True]]
+
+
+def times(block, x):
+    return x * block
+
+
+def test_shared_runners_hold_more_graphs_than_dynamo_default():
+    """Each residual dtype, camera form, attention backend and accumulation a process runs is a graph of the
+    shared runner: more than dynamo's default limit (8) must still compile, not fall back to eager unseen."""
+    from lingbot_world.wan import speed
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    runner = speed.CompiledBlocks(backend=backend, fn=times)
+    x = torch.ones(3)
+    for block in range(12):  # a Python int specializes: one graph each
+        assert torch.equal(runner(block, x), x * block)
+    assert len(graphs) == 12 and not runner.failed

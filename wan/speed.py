@@ -184,6 +184,12 @@ def compiler_missing(device: torch.device) -> str | None:
     return None
 
 
+# graphs one shared runner may hold: the decoder's are about 10 per frame size (one per block shape); the chunk
+# loop's one per residual dtype, camera form, attention backend and fp8 accumulation a process has run. Dynamo's
+# default (8) would send the next setting to eager, silently.
+RECOMPILE_LIMIT = 64
+
+
 class CompiledBlocks:
     """`run(block, *args)` through one torch.compile'd function (dynamic=False: every block has the
     same shapes, so the graphs traced for block 0 serve all blocks). Graphs are keyed by what varies
@@ -199,8 +205,13 @@ class CompiledBlocks:
 
     def __call__(self, block, *args):
         if not self.failed:
+            config = torch._dynamo.config
+            name = (
+                "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            )  # torch < 2.7
             try:
-                return self.compiled(block, *args)
+                with config.patch(name, RECOMPILE_LIMIT):
+                    return self.compiled(block, *args)
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 self.failed = True
                 cause = getattr(err, "inner_exception", None) or err

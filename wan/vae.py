@@ -467,9 +467,6 @@ def _call_step(step, *args):
     return step(*args)
 
 
-DECODER_RECOMPILE_LIMIT = 64  # graphs: about 10 per frame size (one per block shape), so a few sizes fit
-
-
 def decoder_runner(device):
     """The compiled runner of the decoder steps shared by every fast decoder of the process, or None (eager)
     with one log line when the compiler is unavailable on `device`."""
@@ -518,10 +515,7 @@ class DecoderLevers:
         # `fmt` gives its sizes (a sub-chunk or a cache is a strided view; the attention's output is not
         # channels-last), so each block shape has one graph
         args = [self._canonical(a) if isinstance(a, torch.Tensor) and a.dim() == 5 else a for a in args]
-        config = torch._dynamo.config
-        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
-        with config.patch(name, DECODER_RECOMPILE_LIMIT):
-            return self.runner(step, *args)
+        return self.runner(step, *args)
 
     def _canonical(self, a: torch.Tensor) -> torch.Tensor:
         n, c, t, h, w = a.shape

@@ -1418,13 +1418,21 @@ def _run_fast(args, files, device, ranks, output, decode_device=None) -> int:
     # apart: no VAE beside the DiT (on a decode device of its own, or none: the other ranks never load it)
     lat_shape, apart = (lat_f, lat_h, lat_w), not lead or not fast_run.same_device(device, vae_device)
     # on each GPU: the overlap of a chunk's decode and the next chunk's DiT decided where it is left to the plan
-    plan = (files, lat_shape, config, quantize, swap, tile, args.vae_dtype)  # the planner's view of the run
+    loading = (quantize, swap, tile, args.vae_dtype)  # the planner's view of the run, beside its config
     overlap, config = fast_run.check_devices(
-        *plan, device, vae_device if lead else None, memplan.free_memory, ranks=ranks
-    )
-    plan = (files, lat_shape, config, quantize, swap, tile, args.vae_dtype)  # the camera cache decided
+        files,
+        lat_shape,
+        config,
+        *loading,
+        device,
+        vae_device if lead else None,
+        memplan.free_memory,
+        ranks=ranks,
+    )  # the camera cache decided too
     free = generate.machine_memory(device)  # (None, None) off CUDA
-    need = fast_run.fast_memory(*plan, ranks=ranks, budget=free[0], **fast_run.vae_where(apart, overlap))
+    need = fast_run.fast_memory(
+        files, lat_shape, config, *loading, ranks=ranks, budget=free[0], **fast_run.vae_where(apart, overlap)
+    )
     if lead:
         decoding = ""
         if apart:

@@ -149,11 +149,7 @@ def random_model(cfg, device, seed=0) -> WanModel:
 
 def to_fp8_(model) -> int:
     """Quantize the blocks' Linears in place, as the loader's quantize='fp8' does; returns how many."""
-    n = 0
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
-            fp8.quantize_layer_(m)
-            n += 1
+    n = fp8.quantize_blocks_(model)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return n

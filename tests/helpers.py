@@ -376,16 +376,6 @@ def tiny_fast_model():
     return init_random_(WanModel.from_config(synthetic.tiny_config("cam")), seed=1).eval()
 
 
-def fp8_blocks_(model):
-    """`model` with its DiT blocks' Linears quantized to fp8 in place, as the loader's quantize='fp8' does."""
-    from lingbot_world.wan import fp8
-
-    for name, m in list(model.named_modules()):
-        if isinstance(m, torch.nn.Linear) and fp8.fp8_layer(name, tuple(m.weight.shape)):
-            fp8.quantize_layer_(m)
-    return model
-
-
 class TinyRun:
     """A tiny random cam expert (bf16 as loaded, or with fp8 blocks) and one sampling run's inputs."""
 
@@ -395,7 +385,9 @@ class TinyRun:
         self.model = init_random_(WanModel.from_config(S.tiny_config("cam", num_layers=layers)), seed=2)
         self.model.eval().requires_grad_(False)
         if use_fp8:
-            fp8_blocks_(self.model)
+            from lingbot_world.wan.fp8 import quantize_blocks_
+
+            quantize_blocks_(self.model)
         g = torch.Generator().manual_seed(0)
         self.noise, self.y = torch.randn(16, 2, 4, 6, generator=g), torch.randn(20, 2, 4, 6, generator=g)
         self.context, self.context_null = torch.randn(7, 32, generator=g), torch.randn(5, 32, generator=g)

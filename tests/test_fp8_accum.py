@@ -4,7 +4,7 @@ kept camera injections; the CLI's `--fp8 fast` and LingBot Speed's fp8_accumulat
 
 import pytest
 import torch
-from helpers import TinyRun, args_for, expect_clear_error, fast_args, fast_sample, fp8_blocks_, node_inputs
+from helpers import TinyRun, args_for, expect_clear_error, fast_args, fast_sample, node_inputs
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.fast_checkpoint import FAST_DIR, resolve_fast_dir
@@ -74,7 +74,9 @@ WINDOW = dict(local_attn_size=7, sink_size=1)
 
 
 def fp8_model():
-    return fp8_blocks_(init_random_(WanModel.from_config(S.tiny_config("cam", num_layers=2)), seed=1).eval())
+    m = init_random_(WanModel.from_config(S.tiny_config("cam", num_layers=2)), seed=1).eval()
+    assert fp8.quantize_blocks_(m) > 0
+    return m
 
 
 @pytest.mark.parametrize("camera_cache", [False, True])

@@ -481,7 +481,7 @@ class FastSession:
                     f"camera_cache: the kept camera injections are made before a chunk's forwards, for whole blocks "
                     f"on the device; turn off camera_cache or {setting}"
                 )
-        self._cams: list | None = None  # the kept camera injections' buffers (`_camera_pass`)
+        self._cams: list | None = None  # the kept camera injections' buffers (`WanModel.camera_injections`)
         self._camera_runner = None
         self._runner = self._growing = None
         # compiled on CUDA: the steady forward as a CUDA graph (`_graphed`; not under sequence parallel, whose

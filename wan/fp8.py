@@ -92,6 +92,17 @@ def quantize_layer_(layer: nn.Linear) -> None:
     layer._parameters["weight" + SCALE_SUFFIX] = nn.Parameter(scale, requires_grad=False)
 
 
+def quantize_blocks_(model: nn.Module) -> int:
+    """Quantize a loaded model's `fp8_layer` Linears in place (what the loader's quantize='fp8' makes of them while
+    streaming); returns how many."""
+    layers = [
+        m for name, m in model.named_modules() if isinstance(m, nn.Linear) and fp8_layer(name, m.weight.shape)
+    ]
+    for layer in layers:
+        quantize_layer_(layer)
+    return len(layers)
+
+
 def fp8_problem(device) -> str | None:
     """Why fp8 linears cannot run on `device` (None: they can), naming the fallback."""
     return card_problem(

@@ -28,7 +28,9 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
 - ``*_fp8attn`` / ``*_fa3attn`` / ``*_fa3fp8attn`` paths (base-cam and chunk loops): the compiled path with
   `attention='fp8'` / `'fa3'` / `'fa3_fp8'` as well; their floor counts that backend's kernel in place of SDPA's.
 - ``*_cams`` (chunk loops): the kept camera injections; ``*_fastacc``: the fp8 linears' fast accumulation
-  (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too.
+  (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too; ``*_unfused``: the fp8 FFN's GELU
+  and row quantization left to inductor instead of `wan.fp8_gelu`'s kernel (every other fp8 path on CUDA takes
+  the kernel), the same floor.
 
     python benchmarks/bench_fp8.py --scale full --paths bf16 fp8_compiled fp8_compiled_fp8attn   # paths to run
     python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
@@ -56,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_speed import SHAPES, Step, kernel_floor, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
-from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, speed  # noqa: E402
+from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, fp8_gelu, speed  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
@@ -88,11 +90,16 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
     "fp8_fastacc",
     "fp8_compiled_fa3fp8attn_fastacc",
     "fp8_compiled_fa3fp8attn_kv8_cams_fastacc",
+    "fp8_compiled_fa3fp8attn_fastacc_unfused",
+    "fp8_compiled_fa3fp8attn_kv8_cams_fastacc_unfused",
 )
 # a path's attention backend, by the part of its name that says so (none: SDPA)
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
 FASTACC = "_fastacc"  # the fp8 linears' fast accumulation (`wan.fp8.accumulation`)
+UNFUSED = (
+    "_unfused"  # the fp8 FFN's GELU and quantization as inductor fuses them (`wan.fp8_gelu` off): its A/B
+)
 CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-cam has no cache nor chunks)
 
 
@@ -325,6 +332,7 @@ def base_cam(args, device, rates) -> dict:
             out[name] = {"skipped": skip}
             continue
         options = SpeedOptions(**path_options(path))
+        fp8_gelu.enabled = UNFUSED not in path
         if options.fp8 and not fp8.is_fp8(model.blocks[0].self_attn.q):
             out["fp8_layers"] = to_fp8_(model)
         res = run_case(step, options, 5.0, args.repeats, reference)
@@ -334,6 +342,7 @@ def base_cam(args, device, rates) -> dict:
                 res["flow_deviation"] = deviation(flow(), flow_ref)
         out[name] = res
         print(f"base_cam {name}: {res}", file=sys.stderr)
+    fp8_gelu.enabled = True
     timed = [name for name in PATHS if "step_s" in out.get(name, {})]
     out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates, timed)
     base = out.get("bf16_compiled", {}).get("step_s")
@@ -418,6 +427,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
             out[name] = {"skipped": skip}
             continue
         options = path_options(name)
+        fp8_gelu.enabled = UNFUSED not in name
         compiled = options["compile"]
         kv = torch.float8_e4m3fn if "_kv8" in name else config.kv_dtype
         if options["fp8"] and not fp8.is_fp8(model.blocks[0].self_attn.q):
@@ -470,6 +480,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
         if device.type == "cuda":
             out[name]["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
         print(f"{kind_name} {name}: {out[name]}", file=sys.stderr)
+    fp8_gelu.enabled = True
     if "fp8" in latents and "bf16" in latents:
         out["fp8"]["first_chunk_deviation"] = deviation(latents["fp8"][0], latents["bf16"][0])
     # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)

@@ -4,7 +4,7 @@ Builds (once, under --workdir) a random checkpoint of --model at full size as `b
 does (v2 1.3B as released, v2 14B / v1 Fast as NF4 folders, a random umT5-XXL, tokenizer and Wan2.1 VAE),
 serves a `PlaySession` with `session.play_server.PlayServer` on 127.0.0.1 and connects a scripted WebSocket
 client that plays --chunks chunks: it walks forward, turns right, strafes, looks with the mouse and runs,
-changing keys every --key-period seconds, and receives every JPEG frame. Reported (one JSON line at the end):
+changing keys every --key-period seconds (the script repeats until the last chunk), and receives every JPEG frame. Reported (one JSON line at the end):
 - fps_played: new frames / wall time after the first chunk (the session's figure; `client_fps` is the same
   counted by the client from frame arrival),
 - s_per_chunk (after the first chunk) and each chunk's seconds (with the decode overlapping the next chunk,
@@ -44,6 +44,7 @@ the scripted client and prints the JSON, with each rank's peak VRAM; the others 
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import threading
@@ -100,7 +101,7 @@ async def client(url: str, chunks_frames: int, key_period: float) -> dict:
     async with aiohttp.ClientSession() as http:
         ws = await http.ws_connect(url + "ws", max_msg_size=1 << 26)
         hello = json.loads((await ws.receive(timeout=3600)).data)
-        script = iter(SCRIPT)
+        script = itertools.cycle(SCRIPT)  # it ends with every key up, so it repeats as it starts
         next_key = None
         while len(arrivals) < chunks_frames:
             msg = await ws.receive(timeout=3600)
@@ -123,13 +124,10 @@ async def client(url: str, chunks_frames: int, key_period: float) -> dict:
             if next_key is None:
                 next_key = now + key_period
             if now >= next_key:
-                key = next(script, None)
-                if key is not None:
-                    await ws.send_str(json.dumps(key))
-                    if key["type"] == "look" or key.get("down"):
-                        sent.append(
-                            {"msg": key, "t": time.perf_counter(), "after_index": index, "frame": None}
-                        )
+                key = next(script)
+                await ws.send_str(json.dumps(key))
+                if key["type"] == "look" or key.get("down"):
+                    sent.append({"msg": key, "t": time.perf_counter(), "after_index": index, "frame": None})
                 next_key = now + key_period
         await ws.close()
     return {"role": hello["role"], "arrivals": arrivals, "latencies": latencies}

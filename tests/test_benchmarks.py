@@ -480,6 +480,27 @@ def test_bench_fp8(tmp_path):
         assert all(r["rel_l2"] < 0.01 for r in ran.values())  # bf16 kernels against the fp32 reference
 
 
+def test_bench_fp8_gelu(tmp_path):
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's Linux wheels)")
+    s = run_tiny("bench_fp8_gelu.py", tmp_path, env={"TRITON_INTERPRET": "1"})
+    assert s["bench"] == "fp8_gelu" and s["scale"] == "tiny"
+    for name, shape in (("three blocks", [24, 300]), ("two blocks", [16, 80])):
+        case = s[name]
+        assert case["shape"] == shape and case["compiled"] is False  # CPU: the unfused path runs eager
+        assert case["fused_warps"] == 8 and sorted(case["warps_ms"]) == ["16", "32", "4", "8"]
+        assert case["fused_over_compiled"] == pytest.approx(
+            case["fused_ms"] / case["compiled_unfused_ms"], rel=0.01
+        )
+        assert case["fused_over_floor"] == pytest.approx(case["fused_ms"] / case["byte_floor_ms"], rel=0.01)
+        # the floor: h read once, codes and scales written once, at the copy's bandwidth (a copy moves h twice)
+        rows, cols = shape
+        moved = 2 * rows * cols + rows * cols + 4 * rows
+        floor_ms = moved / (case["copy_bandwidth_gb_s"] * 1e9) * 1e3
+        assert case["byte_floor_ms"] == pytest.approx(floor_ms, rel=0.05, abs=2e-4)
+        # the interpreter casts its own way, so equality is loose here (the GPU's is in BENCHMARKS.md)
+        assert case["vs_eager"]["codes_equal"] > 0.85 and case["vs_eager"]["scale_max_rel"] <= 2**-7
+
+
 def test_bench_vae_chunk_mode(tmp_path):
     """The chunked decode, fp32 against the fast decoder: every variant decodes the same latents (the fast
     ones close to fp32, fp16 closer than bf16) and the target is judged from the figures."""

@@ -25,7 +25,7 @@ from torch import nn
 from . import attention as attention_backends
 from . import parallel
 from .config import CONTROL_CHANNELS, DiTConfig
-from .fp8 import FP8, fp8_linear
+from .fp8 import FP8, fp8_linear, gelu_linear
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
 # FFN token chunk: above it the [L, 13824] intermediate is built piecewise (2 GB at 720p). 480p
@@ -398,7 +398,10 @@ class WanAttentionBlock(nn.Module):
 
     def feed_forward(self, h: torch.Tensor, dtype) -> torch.Tensor:
         def ffn(part):
-            return linear(self.ffn[2], self.ffn[1](linear(self.ffn[0], part, dtype)), dtype)
+            hidden = linear(self.ffn[0], part, dtype)
+            # fp8 on a GPU: the GELU and the down projection's row quantization in one kernel
+            fused = gelu_linear(self.ffn[2], hidden, dtype)
+            return fused if fused is not None else linear(self.ffn[2], self.ffn[1](hidden), dtype)
 
         if h.shape[0] <= FFN_CHUNK:
             return ffn(h)

@@ -5,7 +5,9 @@ A quantized layer keeps its `nn.Linear` and holds `weight` as float8_e4m3fn [out
 fp32 [out] (weight ~= weight_fp8 * weight_scale[:, None]); `wan.dit.linear` sees the fp8 dtype and calls
 `fp8_linear`. Only the DiT blocks' Linears are quantized (`fp8_layer`): the embeddings and the head stay as
 loaded (small, and the head runs in fp32). This is torch's own scaled matmul, not a tensor subclass, so a
-compiled block traces through it like any other op.
+compiled block traces through it like any other op. The FFN's down projection takes its input from one Triton kernel
+that applies the GELU and quantizes the rows in a single pass (`gelu_linear`, `wan.fp8_gelu`) where that kernel runs
+(CUDA with Triton); elsewhere the GELU and `quantize_rows` run as written.
 
 Accumulation (`accumulation`): "exact" (the default) is cuBLAS's split accumulation, which promotes the fp8
 tensor cores' partial sums to fp32 along K; "fast" (`use_fast_accum`) keeps them in the tensor cores' own
@@ -19,6 +21,7 @@ import functools
 import torch
 from torch import nn
 
+from . import fp8_gelu
 from .devices import card_problem
 
 FP8 = torch.float8_e4m3fn
@@ -66,8 +69,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias,
     """`x @ W.T + b` with W = weight (fp8) * scale per row: x quantized per token (row-wise amax / 448) from
     its own precision, one scaled matmul (accumulating as `accumulation` says), bf16 out (what the row-wise
     kernel writes), returned in `dtype`."""
-    x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_rows(x2)
+    xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return _scaled_linear(xq, xs, weight, scale, bias, dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _scaled_linear(xq, xs, weight, scale, bias, dtype) -> torch.Tensor:
     out = torch._scaled_mm(
         xq,
         weight.t(),
@@ -77,7 +83,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias,
         out_dtype=torch.bfloat16,
         use_fast_accum=_fast_accum,
     )
-    return out.to(dtype).view(*x.shape[:-1], weight.shape[0])
+    return out.to(dtype)
+
+
+def gelu_linear(layer: nn.Linear, h: torch.Tensor, dtype) -> torch.Tensor | None:
+    """`fp8_linear` of GELU_tanh(h) [rows, cols] for the FFN's fp8 down projection `layer`, with the GELU and
+    the quantization in one kernel (`wan.fp8_gelu`); None where that kernel does not run (the caller goes the
+    unfused way: a LoRA side path needs the GELU'd input itself)."""
+    if not is_fp8(layer) or "lora" in layer._modules or not fp8_gelu.usable(h):
+        return None
+    hq, hs = fp8_gelu.gelu_quantize_rows(h)
+    return _scaled_linear(hq, hs, layer.weight, layer.weight_scale, layer.bias, dtype)
 
 
 def is_fp8(layer: nn.Module) -> bool:

@@ -1,0 +1,125 @@
+"""The fp8 FFN's hidden activation in one pass (Triton): tanh-GELU, each row's amax and its e4m3 codes.
+
+With fp8 linears, a block's FFN hidden h = ffn[0](x) [tokens, ffn_dim] is GELU'd and then quantized per row for
+ffn[2]'s scaled matmul (`wan.fp8.quantize_rows`). Compiled, inductor fuses that into a looped reduction that reads
+each row twice: on an H100 a steady v2 1.3B chunk spent 29 ms there, about 3x the time its bytes need. Here one
+program holds a whole row in registers (ffn_dim <= `MAX_COLS`): one read of h, one write of the codes.
+
+Same formulas as the unfused path: GELU(approximate='tanh') in fp32, rounded to h's dtype (what the GELU module
+returns), scale = max(amax, 1e-12) / 448, codes = clamp(y / scale, +-448) cast to e4m3 (round to nearest even).
+tanh is written as 1 - 2 / (exp(2u) + 1) (Triton's fast exp, a few instructions where tanhf takes tens: the
+kernel would otherwise be bound by arithmetic), so a GELU value can differ from torch's by an ulp before the
+rounding to h's dtype, and a code then by one e4m3 step: how often is measured by benchmarks/bench_fp8_gelu.py.
+
+Used on CUDA where Triton is installed (torch.compile traces the kernel as it is); elsewhere the unfused path runs.
+Under TRITON_INTERPRET=1 it also runs on CPU tensors (the tests; the interpreter casts to e4m3 its own way).
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the unfused path
+    triton = None
+
+MAX_COLS = 16384  # a row lives in one program's registers; wider rows take the unfused path
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
+
+
+def usable(h: torch.Tensor) -> bool:
+    """Whether `gelu_quantize_rows` runs for hidden `h` [rows, cols] here."""
+    return (
+        enabled
+        and triton is not None
+        and (h.is_cuda or _INTERPRET)
+        and h.dim() == 2
+        and 0 < h.shape[1] <= MAX_COLS
+        and h.shape[0] > 0
+    )
+
+
+def parts(cols: int) -> tuple[int, int, int]:
+    """A row's width as up to three power-of-two blocks (Triton's tiles are powers of two), so few lanes idle:
+    8960 = 8192 + 512 + 256; 13824 = 8192 + 4096 + 2048 (a zero: no such block)."""
+    first = 1 << (cols.bit_length() - 1)
+    rest = cols - first
+    second = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= second
+    return first, second, max(16, 1 << (rest - 1).bit_length()) if rest else 0
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gelu_block(h_row, start, cols, SIZE: tl.constexpr):
+        """One block of a row: (GELU_tanh of it in fp32, rounded to h's dtype as the GELU module returns it; its
+        offsets; their mask). tanh(u) = 1 - 2 / (exp(2u) + 1)."""
+        offsets = start + tl.arange(0, SIZE)
+        mask = offsets < cols
+        x = tl.load(h_row + offsets, mask=mask, other=0.0).to(tl.float32)
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (x + 0.044715 x^3)
+        y = 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        return y.to(h_row.dtype.element_ty).to(tl.float32), offsets, mask
+
+    @triton.jit
+    def _gelu_fp8_rows(
+        h_ptr,
+        codes_ptr,
+        scale_ptr,
+        cols,
+        h_stride,
+        FIRST: tl.constexpr,
+        SECOND: tl.constexpr,
+        THIRD: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        h_row, codes_row = h_ptr + row * h_stride, codes_ptr + row * cols
+        y1, offsets1, mask1 = _gelu_block(h_row, 0, cols, FIRST)
+        amax = tl.max(tl.abs(y1), axis=0)
+        if SECOND > 0:
+            y2, offsets2, mask2 = _gelu_block(h_row, FIRST, cols, SECOND)
+            amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=0))
+        if THIRD > 0:
+            y3, offsets3, mask3 = _gelu_block(h_row, FIRST + SECOND, cols, THIRD)
+            amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=0))
+        scale = tl.maximum(amax, 1e-12) / 448.0  # wan.fp8: the all-zero row's floor; e4m3's largest value
+        tl.store(
+            codes_row + offsets1,
+            tl.clamp(y1 / scale, -448.0, 448.0).to(codes_ptr.dtype.element_ty),
+            mask=mask1,
+        )
+        if SECOND > 0:
+            codes2 = tl.clamp(y2 / scale, -448.0, 448.0).to(codes_ptr.dtype.element_ty)
+            tl.store(codes_row + offsets2, codes2, mask=mask2)
+        if THIRD > 0:
+            codes3 = tl.clamp(y3 / scale, -448.0, 448.0).to(codes_ptr.dtype.element_ty)
+            tl.store(codes_row + offsets3, codes3, mask=mask3)
+        tl.store(scale_ptr + row, scale)
+
+
+def warps(cols: int) -> int:
+    """Warps per row, from benchmarks/bench_fp8_gelu.py's sweep on an H100: 8 for the v2 1.3B's 8,960 columns
+    (0.092 ms against 0.105 with 16), 16 for 13,824 (0.142 against 0.142; 0.62 against 0.69 ms at base-cam's
+    31,668 rows)."""
+    return 8 if cols <= 12288 else 16
+
+
+def launch(h, codes, scale, num_warps: int | None = None) -> None:
+    rows, cols = h.shape
+    num_warps = num_warps or warps(cols)
+    _gelu_fp8_rows[(rows,)](h, codes, scale, cols, h.stride(0), *parts(cols), num_warps=num_warps)
+
+
+def gelu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [rows, cols], fp32 scales [rows]) of GELU_tanh(h), as `wan.fp8.quantize_rows(gelu(h))`."""
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    rows, cols = h.shape
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=h.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=h.device)
+    launch(h, codes, scale)
+    return codes, scale

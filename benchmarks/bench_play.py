@@ -12,7 +12,8 @@ changing keys every --key-period seconds (the script repeats until the last chun
 - key_to_pixel p50/p95 (session: from the key event's arrival at the server to the hand-out of the first
   frame of the latent frame it landed in; `client_key_to_frame` p50/p95: from sending the key to receiving
   the first frame whose pose moved the way the key asks, which includes the chunk the key waited for and,
-  paced, the pacer's wait),
+  paced, the pacer's wait; a walk still in flight from the key before can answer a strafe there, so this client
+  figure can read low when keys come faster than a chunk),
 - steady state past a rollout's start (`rollout_start_chunks`: the chunks before its attention window is full
   and the first that rolls it, which run apart from the steady compiled graph; a rollout lasts 256 chunks):
   `steady_client_fps` (frames / wall time at the client from there on) and `steady_s_per_chunk`,

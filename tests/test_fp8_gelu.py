@@ -51,14 +51,22 @@ def test_fp8_ffn_takes_the_kernel_once_per_block(interpreted):
 
 
 def test_without_the_kernel_the_ffn_is_the_unfused_path(monkeypatch):
-    """On CPU (no interpreter) the kernel is not used, and disabling it leaves fp8 forwards bit-identical."""
+    """On CPU (no interpreter) an fp8 forward never reaches the kernel: the GELU and `quantize_rows` run as written."""
     run = TinyRun(layers=2)
     h = torch.randn(4, 128)
     assert not fp8_gelu.usable(h)  # a CPU tensor
     assert fp8.gelu_linear(run.model.blocks[0].ffn[2], h, torch.bfloat16) is None
-    before = run.forward()
-    monkeypatch.setattr(fp8_gelu, "enabled", False)
-    assert torch.equal(run.forward(), before)
+
+    def unreachable(h):
+        raise AssertionError("the fused kernel ran on a CPU tensor")
+
+    monkeypatch.setattr(fp8_gelu, "gelu_quantize_rows", unreachable)
+    quantized = []
+    real = fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows", lambda t: quantized.append(t.shape[-1]) or real(t))
+    run.forward()
+    ffn_dim = run.model.blocks[0].ffn[0].weight.shape[0]
+    assert quantized.count(ffn_dim) == 2  # each block's GELU'd hidden, quantized by the unfused path
 
 
 def test_gelu_linear_declines_what_it_cannot_fuse(monkeypatch):

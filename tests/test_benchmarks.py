@@ -481,7 +481,9 @@ def test_bench_fp8(tmp_path):
 
 
 def test_bench_fp8_gelu(tmp_path):
-    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's Linux wheels)")
+    pytest.importorskip(
+        "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
+    )
     s = run_tiny("bench_fp8_gelu.py", tmp_path, env={"TRITON_INTERPRET": "1"})
     assert s["bench"] == "fp8_gelu" and s["scale"] == "tiny"
     for name, shape in (("three blocks", [24, 300]), ("two blocks", [16, 80])):

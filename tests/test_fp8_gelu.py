@@ -20,7 +20,9 @@ WORKER = Path(__file__).with_name("fp8_gelu_worker.py")
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton", reason="Triton is not installed (it comes with torch's Linux wheels)")
+    pytest.importorskip(
+        "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -97,9 +97,8 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
 FASTACC = "_fastacc"  # the fp8 linears' fast accumulation (`wan.fp8.accumulation`)
-UNFUSED = (
-    "_unfused"  # the fp8 FFN's GELU and quantization as inductor fuses them (`wan.fp8_gelu` off): its A/B
-)
+# the fp8 FFN's GELU and quantization as inductor fuses them (`wan.fp8_gelu` off): the kernel's A/B
+UNFUSED = "_unfused"
 CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-cam has no cache nor chunks)
 
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,9 +27,11 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 from lingbot import load_pack  # noqa: E402
 
 load_pack()
+from bench_speed import timed  # noqa: E402
 from lingbot_world.wan import fp8, fp8_gelu  # noqa: E402
 
 SHAPES = {
@@ -45,15 +46,12 @@ def unfused(h):
 
 
 def kernel_ms(fn, repeats: int) -> float:
+    """The median milliseconds of `fn`: CUDA events around each call on a GPU, host time (`bench_speed.timed`) in
+    the tiny CPU check."""
     for _ in range(3):
         fn()
-    if not torch.cuda.is_available():  # the tiny CPU check: host time
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return round(statistics.median(times), 4)
+    if not torch.cuda.is_available():
+        return round(statistics.median(timed(fn, torch.device("cpu"), repeats)) * 1e3, 4)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -72,10 +70,10 @@ def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((signed[0] - signed[1]).abs().max())
 
 
-def launched(h, config):
+def launched(h, warps: int):
     codes = torch.empty(h.shape, dtype=fp8.FP8, device=h.device)
     scale = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
-    return lambda: fp8_gelu.launch(h, codes, scale, config)
+    return lambda: fp8_gelu.launch(h, codes, scale, warps)
 
 
 def case(rows: int, cols: int, repeats: int, device: torch.device) -> dict:
@@ -84,9 +82,8 @@ def case(rows: int, cols: int, repeats: int, device: torch.device) -> dict:
     copy = torch.empty_like(h)
     copy_ms = kernel_ms(lambda: copy.copy_(h), repeats)
     bandwidth = 2 * h.nbytes / (copy_ms / 1e3)
-    compiled = (
-        torch.compile(unfused, dynamic=False) if device.type == "cuda" else unfused
-    )  # CPU: not compiled
+    # what the compiled blocks ran before the kernel (the tiny CPU check leaves it eager)
+    compiled = torch.compile(unfused, dynamic=False) if device.type == "cuda" else unfused
     out = {
         "shape": [rows, cols],
         "compiled": device.type == "cuda",

@@ -40,8 +40,8 @@ def usable(h: torch.Tensor) -> bool:
         and triton is not None
         and (h.is_cuda or _INTERPRET)
         and h.dim() == 2
-        and 0 < h.shape[1] <= MAX_COLS
-        and h.shape[0] > 0
+        and h.numel() > 0
+        and h.shape[1] <= MAX_COLS
     )
 
 

@@ -202,15 +202,15 @@ class CompiledBlocks:
         self.fn, self.what = fn, what
         self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
         self.failed = False
+        config = (
+            torch._dynamo.config
+        )  # the limit's name, looked up once: torch < 2.7 calls it cache_size_limit
+        self._limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
     def __call__(self, block, *args):
         if not self.failed:
-            config = torch._dynamo.config
-            name = (
-                "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-            )  # torch < 2.7
             try:
-                with config.patch(name, RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(self._limit_name, RECOMPILE_LIMIT):
                     return self.compiled(block, *args)
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 self.failed = True

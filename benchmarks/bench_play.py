@@ -4,13 +4,16 @@ Builds (once, under --workdir) a random checkpoint of --model at full size as `b
 does (v2 1.3B as released, v2 14B / v1 Fast as NF4 folders, a random umT5-XXL, tokenizer and Wan2.1 VAE),
 serves a `PlaySession` with `session.play_server.PlayServer` on 127.0.0.1 and connects a scripted WebSocket
 client that plays --chunks chunks: it walks forward, turns right, strafes, looks with the mouse and runs,
-changing keys every --key-period seconds (the script repeats until the last chunk), and receives every JPEG frame. Reported (one JSON line at the end):
+changing keys every --key-period seconds on average (each gap 1 +- --key-jitter times it, seeded, so a key's
+time within its chunk is spread as a player's is; the script repeats until the last chunk), and receives every
+JPEG frame. Reported (one JSON line at the end):
 - fps_played: new frames / wall time after the first chunk (the session's figure; `client_fps` is the same
   counted by the client from frame arrival),
 - s_per_chunk (after the first chunk) and each chunk's seconds (with the decode overlapping the next chunk,
   `--decode_device` or `--overlap`: the slower of the DiT and the decode), decode_s_per_chunk (the decode's),
 - key_to_pixel p50/p95 (session: from the key event's arrival at the server to the hand-out of the first
-  frame of the latent frame it landed in; `client_key_to_frame` p50/p95: from sending the key to receiving
+  frame of the latent frame it landed in; `read_to_frame` p50/p95 the part after the chunk's input read, from
+  the read to the chunk's first frame; `client_key_to_frame` p50/p95: from sending the key to receiving
   the first frame whose pose moved the way the key asks, which includes the chunk the key waited for and,
   paced, the pacer's wait; a walk still in flight from the key before can answer a strafe there, so this client
   figure can read low when keys come faster than a chunk),
@@ -47,6 +50,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import random
 import sys
 import threading
 import time
@@ -95,7 +99,7 @@ def moved(before: np.ndarray, after: np.ndarray, msg: dict) -> bool:
     return False
 
 
-async def client(url: str, chunks_frames: int, key_period: float) -> dict:
+async def client(url: str, chunks_frames: int, key_period: float, jitter: float = 0.5) -> dict:
     import aiohttp
 
     arrivals, pose_log, sent, latencies = [], [], [], []
@@ -103,6 +107,9 @@ async def client(url: str, chunks_frames: int, key_period: float) -> dict:
         ws = await http.ws_connect(url + "ws", max_msg_size=1 << 26)
         hello = json.loads((await ws.receive(timeout=3600)).data)
         script = itertools.cycle(SCRIPT)  # it ends with every key up, so it repeats as it starts
+        # each gap drawn from period x (1 +- jitter): a key's time within the chunk it lands in is then spread as a
+        # player's would be, instead of following the period's ratio to the chunk's
+        gap = random.Random(0)
         next_key = None
         while len(arrivals) < chunks_frames:
             msg = await ws.receive(timeout=3600)
@@ -123,13 +130,13 @@ async def client(url: str, chunks_frames: int, key_period: float) -> dict:
                         item["frame"] = index
                         latencies.append(now - item["t"])
             if next_key is None:
-                next_key = now + key_period
+                next_key = now + key_period * gap.uniform(1 - jitter, 1 + jitter)
             if now >= next_key:
                 key = next(script)
                 await ws.send_str(json.dumps(key))
                 if key["type"] == "look" or key.get("down"):
                     sent.append({"msg": key, "t": time.perf_counter(), "after_index": index, "frame": None})
-                next_key = now + key_period
+                next_key = now + key_period * gap.uniform(1 - jitter, 1 + jitter)
         await ws.close()
     return {"role": hello["role"], "arrivals": arrivals, "latencies": latencies}
 
@@ -147,7 +154,13 @@ def main() -> int:
     ap.add_argument("--local_attn_size", type=int, default=18)
     ap.add_argument("--sink_size", type=int, default=6)
     ap.add_argument("--mode", choices=["history", "hold"], default="history")
-    ap.add_argument("--key-period", type=float, default=None, help="seconds between script keys")
+    ap.add_argument("--key-period", type=float, default=None, help="mean seconds between script keys")
+    ap.add_argument(
+        "--key-jitter",
+        type=float,
+        default=0.5,
+        help="each gap between keys is the period times 1 +- up to this (seeded); 0: the period exactly",
+    )
     ap.add_argument("--kv_dtype", choices=["bf16", "fp8"], default="bf16")
     ap.add_argument("--vae_dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the play decoder")
     ap.add_argument("--t5_cpu", action="store_true", help="encode the prompt on the CPU")
@@ -262,7 +275,9 @@ def bench(args, device: torch.device, ranks: int) -> int:
     chunk = files.kind.chunk_frames
     frames = (chunk - 1) * 4 + 1 + (chunks - 1) * chunk * 4
     key_period = args.key_period or (1.0 if full else 0.5)
-    seen = asyncio.run(client(server.url, frames, key_period))
+    if not 0 <= args.key_jitter < 1:
+        raise SystemExit(f"--key-jitter: expected 0 <= J < 1, got {args.key_jitter}")
+    seen = asyncio.run(client(server.url, frames, key_period, args.key_jitter))
     thread.join(600)
     peaks[0] = peak_vram_gib(device)
     if ranks > 1:
@@ -312,6 +327,10 @@ def bench(args, device: torch.device, ranks: int) -> int:
         "key_to_pixel_p50_s": stats["key_to_pixel_p50_s"],
         "key_to_pixel_p95_s": stats["key_to_pixel_p95_s"],
         "key_events_measured": stats["key_events_measured"],
+        "key_period_s": key_period,
+        "key_jitter": args.key_jitter,
+        "read_to_frame_p50_s": stats["read_to_frame_p50_s"],
+        "read_to_frame_p95_s": stats["read_to_frame_p95_s"],
         "client_key_to_frame_p50_s": play.percentile(lat, 50),
         "client_key_to_frame_p95_s": play.percentile(lat, 95),
         "client_keys_seen": len(lat),

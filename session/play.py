@@ -34,7 +34,8 @@ otherwise run ahead and queue it behind that DiT, and every key would wait that 
 
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
 chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key
-or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95, and
+or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95, the
+part of it after the input's read (`read_to_frame`: from a chunk's read to its first frame's hand-out), and
 the device memory. Those are hand-out figures (the frames shown as
 they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
 that paces the frames (session.pacer) measures key->pixel to the frame's show time.
@@ -106,6 +107,7 @@ class DecodeJob:
     first_latent: int  # the latent frame of the rollout its first one is
     poses: list
     keys: dict  # latent frame of the rollout -> arrival times of the events that landed in it
+    read: float  # when the chunk's input was read
 
 
 class PlaySession:
@@ -207,6 +209,7 @@ class PlaySession:
         self.chunk_seconds: list[float] = []
         self.decode_seconds: list[float] = []
         self.latencies: list[float] = []
+        self.read_to_frame: list[float] = []  # per chunk: from its input's read to its first frame's hand-out
         self._played_from = None  # (time, frames) at the end of the first chunk
         self._last_frame_t = None
         self.poses: list[np.ndarray] = []  # the current rollout's latent poses
@@ -444,7 +447,7 @@ class PlaySession:
         self._session.next_chunk(cam, lambda x0: handed.extend(hand_over(x0, self.decode_device)))
         latent, ready = handed
         self._mid_chunk, self._dit_done = False, queued_end(self.device)
-        job = DecodeJob(self._decoder, latent, self.rollouts - 1, first_latent, poses, keys)
+        job = DecodeJob(self._decoder, latent, self.rollouts - 1, first_latent, poses, keys, read)
         self._worker.submit(job, ready)  # waits while the previous chunk is in the decoder
         count = VAE_STRIDE[0] * latent.shape[1] - (VAE_STRIDE[0] - 1) * (first_latent == 0)
         made, self._decoding = self._decoding, count  # with overlap: the previous chunk's frames
@@ -477,8 +480,10 @@ class PlaySession:
             filled.synchronize()
             # out of pinned memory: a front end may keep every frame (the node's clip)
             frames = frames.clone()
-        for frame in frames:
+        for n, frame in enumerate(frames):
             self._hand_out(job, job.first_latent + i, frame, job.poses[i])
+            if i == n == 0:
+                self.read_to_frame.append(self._last_frame_t - job.read)
 
     def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
         keys = tuple(job.keys.pop(latent, ()))
@@ -580,6 +585,8 @@ class PlaySession:
             "key_to_pixel_p50_s": percentile(self.latencies, 50),
             "key_to_pixel_p95_s": percentile(self.latencies, 95),
             "key_events_measured": len(self.latencies),
+            "read_to_frame_p50_s": percentile(self.read_to_frame, 50),
+            "read_to_frame_p95_s": percentile(self.read_to_frame, 95),
             "vram": vram,
             "window": [self.config.local_attn_size, self.config.sink_size],
         }

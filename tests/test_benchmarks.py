@@ -542,6 +542,9 @@ def test_bench_play(tmp_path):
     assert len(s["decode_s"]) == s["chunks"] and s["decode_s_per_chunk"] > 0 and s["overlap"] is False
     assert s["key_events_measured"] >= 1 and s["key_to_pixel_p50_s"] <= s["key_to_pixel_p95_s"]
     assert s["client_keys_seen"] >= 1
+    # the keys' gaps are spread around the period; the part of key->pixel after a chunk's input read is reported
+    assert s["key_period_s"] == 0.2 and s["key_jitter"] == 0.5
+    assert 0 < s["read_to_frame_p50_s"] <= s["read_to_frame_p95_s"]
     # paced: the figures as shown are there too
     assert s["paced"] is True and s["pace_interval_s"] > 0 and s["shown_fps"] > 0
     assert s["shown_keys_measured"] >= 1 and s["shown_key_to_pixel_p50_s"] <= s["shown_key_to_pixel_p95_s"]

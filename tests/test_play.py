@@ -414,6 +414,7 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(f
 
     def recorded(self, *args):
         order.append(("forward",))
+        clock.t += 1.0  # a forward takes a second
         return forward(self, *args)
 
     monkeypatch.setattr(play, "hand_over", hand_over)
@@ -421,7 +422,8 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(f
         play, "queued_end", lambda device: order.append(("dit end recorded",)) or Event("dit end")
     )
     monkeypatch.setattr(FastSession, "_forward", recorded)
-    session = make_session(fast_ckpt, [], Clock(), overlap=True)
+    clock = Clock()
+    session = make_session(fast_ckpt, [], clock, overlap=True)
     slots = session.controls.slots
     try:
         session.start(image, "a castle")
@@ -436,6 +438,11 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(f
     # the steps, the hand-over, the commit, then the event the next chunk's input waits for
     chunk = [("forward",)] * steps + [("handed over",), ("forward",), ("dit end recorded",)]
     assert order == [("input",), *chunk] + [("waited", "dit end"), ("input",), *chunk] * 2
+    # each chunk's read-to-first-frame time: at least its steps; at most up to the next chunk's hand-over, which
+    # waits for the decoder
+    assert len(session.read_to_frame) == 3
+    assert all(steps <= t <= 2 * (steps + 1) for t in session.read_to_frame)
+    assert session.stats()["read_to_frame_p50_s"] == float(np.median(session.read_to_frame))
 
 
 def test_a_sequence_parallel_follower_is_planned_without_the_vae(fast_ckpt, image, monkeypatch):

@@ -12,8 +12,9 @@ JPEG frame. Reported (one JSON line at the end):
 - s_per_chunk (after the first chunk) and each chunk's seconds (with the decode overlapping the next chunk,
   `--decode_device` or `--overlap`: the slower of the DiT and the decode), decode_s_per_chunk (the decode's),
 - key_to_pixel p50/p95 (session: from the key event's arrival at the server to the hand-out of the first
-  frame of the latent frame it landed in; `read_to_frame` p50/p95 the part after the chunk's input read, from
-  the read to the chunk's first frame; `client_key_to_frame` p50/p95: from sending the key to receiving
+  frame of the latent frame it landed in; `read_to_frame` p50/p95: per chunk, from its input's read to the
+  hand-out of the first frame a key can land in, so that in hold mode key->pixel is the key's wait for the next
+  read plus this; `client_key_to_frame` p50/p95: from sending the key to receiving
   the first frame whose pose moved the way the key asks, which includes the chunk the key waited for and,
   paced, the pacer's wait; a walk still in flight from the key before can answer a strafe there, so this client
   figure can read low when keys come faster than a chunk),
@@ -99,6 +100,14 @@ def moved(before: np.ndarray, after: np.ndarray, msg: dict) -> bool:
     return False
 
 
+def key_gaps(period: float, jitter: float, seed: int = 0):
+    """Seconds between the script's keys, endless: each `period` x (1 +- up to `jitter`), seeded. Spread gaps put a
+    key anywhere in the chunk it lands in, as a player's keys would be; `jitter` 0 gives the period exactly."""
+    rng = random.Random(seed)
+    while True:
+        yield period * rng.uniform(1 - jitter, 1 + jitter)
+
+
 async def client(url: str, chunks_frames: int, key_period: float, jitter: float = 0.5) -> dict:
     import aiohttp
 
@@ -107,9 +116,7 @@ async def client(url: str, chunks_frames: int, key_period: float, jitter: float 
         ws = await http.ws_connect(url + "ws", max_msg_size=1 << 26)
         hello = json.loads((await ws.receive(timeout=3600)).data)
         script = itertools.cycle(SCRIPT)  # it ends with every key up, so it repeats as it starts
-        # each gap drawn from period x (1 +- jitter): a key's time within the chunk it lands in is then spread as a
-        # player's would be, instead of following the period's ratio to the chunk's
-        gap = random.Random(0)
+        gaps = key_gaps(key_period, jitter)
         next_key = None
         while len(arrivals) < chunks_frames:
             msg = await ws.receive(timeout=3600)
@@ -130,13 +137,13 @@ async def client(url: str, chunks_frames: int, key_period: float, jitter: float 
                         item["frame"] = index
                         latencies.append(now - item["t"])
             if next_key is None:
-                next_key = now + key_period * gap.uniform(1 - jitter, 1 + jitter)
+                next_key = now + next(gaps)
             if now >= next_key:
                 key = next(script)
                 await ws.send_str(json.dumps(key))
                 if key["type"] == "look" or key.get("down"):
                     sent.append({"msg": key, "t": time.perf_counter(), "after_index": index, "frame": None})
-                next_key = now + key_period * gap.uniform(1 - jitter, 1 + jitter)
+                next_key = now + next(gaps)
         await ws.close()
     return {"role": hello["role"], "arrivals": arrivals, "latencies": latencies}
 
@@ -196,6 +203,10 @@ def main() -> int:
     full = args.scale == "full"
     if full and not torch.cuda.is_available():
         raise SystemExit("--scale full needs a CUDA GPU")
+    if not 0 <= args.key_jitter < 1:
+        raise SystemExit(f"--key-jitter: expected 0 <= J < 1, got {args.key_jitter}")
+    if args.key_period is not None and args.key_period <= 0:
+        raise SystemExit(f"--key-period: expected seconds > 0, got {args.key_period}")
     try:
         ranks = distributed.requested_size(args.ulysses_size, "none")
     except ValueError as err:
@@ -275,8 +286,6 @@ def bench(args, device: torch.device, ranks: int) -> int:
     chunk = files.kind.chunk_frames
     frames = (chunk - 1) * 4 + 1 + (chunks - 1) * chunk * 4
     key_period = args.key_period or (1.0 if full else 0.5)
-    if not 0 <= args.key_jitter < 1:
-        raise SystemExit(f"--key-jitter: expected 0 <= J < 1, got {args.key_jitter}")
     seen = asyncio.run(client(server.url, frames, key_period, args.key_jitter))
     thread.join(600)
     peaks[0] = peak_vram_gib(device)

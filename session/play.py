@@ -34,9 +34,9 @@ otherwise run ahead and queue it behind that DiT, and every key would wait that 
 
 Timing: `stats()` reports FPS as played (frames after the first chunk divided by their wall time), seconds per
 chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key
-or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95, the
-part of it after the input's read (`read_to_frame`: from a chunk's read to its first frame's hand-out), and
-the device memory. Those are hand-out figures (the frames shown as
+or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95,
+`read_to_frame` (per chunk, from its input's read to the hand-out of the first frame a key can land in: in hold
+mode a key's key->pixel is its wait for the next read plus this), and the device memory. Those are hand-out figures (the frames shown as
 they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
 that paces the frames (session.pacer) measures key->pixel to the frame's show time.
 
@@ -209,7 +209,9 @@ class PlaySession:
         self.chunk_seconds: list[float] = []
         self.decode_seconds: list[float] = []
         self.latencies: list[float] = []
-        self.read_to_frame: list[float] = []  # per chunk: from its input's read to its first frame's hand-out
+        self.read_to_frame: list[
+            float
+        ] = []  # per chunk: from its input's read to its first keyed frame's hand-out
         self._played_from = None  # (time, frames) at the end of the first chunk
         self._last_frame_t = None
         self.poses: list[np.ndarray] = []  # the current rollout's latent poses
@@ -481,11 +483,13 @@ class PlaySession:
             # out of pinned memory: a front end may keep every frame (the node's clip)
             frames = frames.clone()
         for n, frame in enumerate(frames):
-            self._hand_out(job, job.first_latent + i, frame, job.poses[i])
-            if i == n == 0:
-                self.read_to_frame.append(self._last_frame_t - job.read)
+            now = self._hand_out(job, job.first_latent + i, frame, job.poses[i])
+            # the first frame a key can land in (in a rollout's first chunk keys land from latent frame 1: 0 is the image)
+            if n == 0 and i == (job.first_latent == 0):
+                self.read_to_frame.append(now - job.read)
 
-    def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> None:
+    def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> float:
+        """Hand one frame out; returns when."""
         keys = tuple(job.keys.pop(latent, ()))
         if self.on_frame is not None and not self._quiet:
             self.on_frame(PlayFrame(self.frames, job.rollout, latent, frame, pose, keys))
@@ -493,6 +497,7 @@ class PlaySession:
         self.latencies.extend(now - t for t in keys)
         self.frames += 1
         self._last_frame_t = now
+        return now
 
     def run(self, stop: threading.Event) -> None:
         """Chunk after chunk until `stop` is set; returns once the last chunk's frames are handed out."""

@@ -2,6 +2,7 @@
 scripts that produce BENCHMARKS.md cannot rot unnoticed; the figures in each summary are checked
 against each other and against what the tiny run must give."""
 
+import itertools
 import json
 import math
 import os
@@ -529,6 +530,36 @@ def test_bench_vae_chunk_mode(tmp_path):
     assert (
         abs(cases["chunk_bf16_channels_last"]["psnr_db_vs_fp32"] - cases["chunk_bf16"]["psnr_db_vs_fp32"]) < 3
     )
+
+
+def test_bench_play_key_gaps_and_refusals(tmp_path, monkeypatch):
+    """The scripted keys' gaps: the period exactly with --key-jitter 0, else spread over period x (1 +- jitter)
+    around it, the same every run (seeded); a jitter or a period out of range is refused before anything is
+    built."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_play
+
+    assert list(itertools.islice(bench_play.key_gaps(0.5, 0.0), 5)) == [0.5] * 5
+    gaps = list(itertools.islice(bench_play.key_gaps(0.5, 0.5), 400))
+    assert all(0.25 <= g <= 0.75 for g in gaps) and max(gaps) - min(gaps) > 0.4
+    assert abs(sum(gaps) / len(gaps) - 0.5) < 0.03
+    assert gaps == list(itertools.islice(bench_play.key_gaps(0.5, 0.5), 400))
+    for flag, value in (("--key-jitter", "1"), ("--key-jitter", "-0.1"), ("--key-period", "0")):
+        out = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "bench_play.py"),
+                "--workdir",
+                str(tmp_path / "w"),
+                flag,
+                value,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert out.returncode != 0 and flag in out.stderr and "Traceback" not in out.stderr
+        assert not (tmp_path / "w").exists()
 
 
 def test_bench_play(tmp_path):

@@ -406,11 +406,14 @@ def test_fast_decoder_close_to_exact(tiny, dtype):
     assert not torch.equal(out, ref)  # really another precision
     assert _psnr(out, ref) > 35  # ~48 dB (bf16), ~66 dB (fp16) measured on these random weights
     assert all(torch.equal(v, before[k]) for k, v in tiny.decoder.state_dict().items())  # VAE untouched
-    # channels-last or not, the same math: only the memory layout differs
+    # channels-last or not, the same math: only the memory layout differs. How the CPU's kernels round the two
+    # layouts depends on the CPU (in bf16 up to 0.06 apart on an AVX2-only one, where earlier CI machines kept them
+    # within 2e-2), so the check is that they agree far closer (>= 6 dB) than either is to the exact decode
     plain = tiny.decode(z, dtype=dtype)
     with tiny.chunk_decoder(dtype=dtype, channels_last=False) as dec:
         assert dec.decoder.upsamples[0].residual[2].weight.is_contiguous()
-        torch.testing.assert_close(dec.decode(z), plain, atol=2e-2, rtol=0)
+        other = dec.decode(z)
+    assert _psnr(other, plain) > _psnr(plain, ref) + 6
 
 
 def test_fast_decoder_bad_dtype(tiny):

@@ -36,8 +36,8 @@ Timing: `stats()` reports FPS as played (frames after the first chunk divided by
 chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, key->pixel latency (from a key
 or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95,
 `read_to_frame` (per chunk, from its input's read to the hand-out of the first frame a key can land in: in hold
-mode a key's key->pixel is its wait for the next read plus this), and the device memory. Those are hand-out figures (the frames shown as
-they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
+mode a key's key->pixel is its wait for the next read plus this), and the device memory. Those are hand-out
+figures (the frames shown as they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
 that paces the frames (session.pacer) measures key->pixel to the frame's show time.
 
 Sequence parallel (`ranks` > 1, every rank in a `session.distributed.process_group`): rank 0 is the session
@@ -91,6 +91,12 @@ class PlayFrame:
 def rollout_latent_frames(chunk: int) -> int:
     """A rollout's length in latent frames: the RoPE table's, in whole chunks."""
     return ROPE_FRAMES - ROPE_FRAMES % chunk
+
+
+def keyed_latent(first_latent: int, slot: int = 0) -> int:
+    """The rollout's latent frame that input slot `slot` of a chunk starting at latent frame `first_latent` lands
+    in: a rollout's first latent frame is the image, so its first chunk's slots start at latent frame 1."""
+    return first_latent + (first_latent == 0) + slot
 
 
 def percentile(values, q: float) -> float | None:
@@ -209,9 +215,8 @@ class PlaySession:
         self.chunk_seconds: list[float] = []
         self.decode_seconds: list[float] = []
         self.latencies: list[float] = []
-        self.read_to_frame: list[
-            float
-        ] = []  # per chunk: from its input's read to its first keyed frame's hand-out
+        # per chunk: from its input's read to the hand-out of the first frame a key can land in
+        self.read_to_frame: list[float] = []
         self._played_from = None  # (time, frames) at the end of the first chunk
         self._last_frame_t = None
         self.poses: list[np.ndarray] = []  # the current rollout's latent poses
@@ -439,7 +444,7 @@ class PlaySession:
         slots = self.controls.slots(read, n)
         keys: dict[int, list[float]] = {}
         for t, slot in self.controls.landed:
-            keys.setdefault(first_latent + (first_latent == 0) + slot, []).append(t)
+            keys.setdefault(keyed_latent(first_latent, slot), []).append(t)
         cam, poses = self._camera.next(slots)
         self.poses.extend(poses)
         if self.ranks > 1:
@@ -484,8 +489,7 @@ class PlaySession:
             frames = frames.clone()
         for n, frame in enumerate(frames):
             now = self._hand_out(job, job.first_latent + i, frame, job.poses[i])
-            # the first frame a key can land in (in a rollout's first chunk keys land from latent frame 1: 0 is the image)
-            if n == 0 and i == (job.first_latent == 0):
+            if n == 0 and job.first_latent + i == keyed_latent(job.first_latent):
                 self.read_to_frame.append(now - job.read)
 
     def _hand_out(self, job: DecodeJob, latent: int, frame: torch.Tensor, pose: np.ndarray) -> float:

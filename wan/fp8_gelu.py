@@ -69,6 +69,12 @@ if triton is not None:
         return y.to(h_row.dtype.element_ty).to(tl.float32), offsets, mask
 
     @triton.jit
+    def _store_codes(codes_row, y, scale, offsets, mask):
+        """One block's e4m3 codes: clamp(y / scale, +-448), cast (round to nearest even)."""
+        codes = tl.clamp(y / scale, -448.0, 448.0).to(codes_row.dtype.element_ty)
+        tl.store(codes_row + offsets, codes, mask=mask)
+
+    @triton.jit
     def _gelu_fp8_rows(
         h_ptr,
         codes_ptr,
@@ -90,17 +96,11 @@ if triton is not None:
             y3, offsets3, mask3 = _gelu_block(h_row, FIRST + SECOND, cols, THIRD)
             amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=0))
         scale = tl.maximum(amax, 1e-12) / 448.0  # wan.fp8's _TINY floor and FP8_MAX
-        tl.store(
-            codes_row + offsets1,
-            tl.clamp(y1 / scale, -448.0, 448.0).to(codes_ptr.dtype.element_ty),
-            mask=mask1,
-        )
+        _store_codes(codes_row, y1, scale, offsets1, mask1)
         if SECOND > 0:
-            codes2 = tl.clamp(y2 / scale, -448.0, 448.0).to(codes_ptr.dtype.element_ty)
-            tl.store(codes_row + offsets2, codes2, mask=mask2)
+            _store_codes(codes_row, y2, scale, offsets2, mask2)
         if THIRD > 0:
-            codes3 = tl.clamp(y3 / scale, -448.0, 448.0).to(codes_ptr.dtype.element_ty)
-            tl.store(codes_row + offsets3, codes3, mask=mask3)
+            _store_codes(codes_row, y3, scale, offsets3, mask3)
         tl.store(scale_ptr + row, scale)
 
 

@@ -202,9 +202,8 @@ class CompiledBlocks:
         self.fn, self.what = fn, what
         self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic)
         self.failed = False
-        config = (
-            torch._dynamo.config
-        )  # the limit's name, looked up once: torch < 2.7 calls it cache_size_limit
+        # the limit's name, looked up once: torch < 2.7 calls it cache_size_limit
+        config = torch._dynamo.config
         self._limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
     def __call__(self, block, *args):

@@ -31,6 +31,8 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
   (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too; ``*_unfused``: the fp8 FFN's GELU
   and row quantization left to inductor instead of `wan.fp8_gelu`'s kernel (every other fp8 path on CUDA takes
   the kernel), the same floor.
+- ``--profile PATH ...`` (chunk loops): one more chunk after the timed ones under torch.profiler, its top 40
+  device kernels by time (``kernels``: name, ms, calls): where the chunk's time goes beside its floor.
 
     python benchmarks/bench_fp8.py --scale full --paths bf16 fp8_compiled fp8_compiled_fp8attn   # paths to run
     python benchmarks/bench_fp8.py --scale full                 # CUDA (Ada/Hopper/Blackwell for fp8)
@@ -56,7 +58,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_speed import SHAPES, Step, kernel_floor, rel_error, run_case, sync, timed  # noqa: E402
+from bench_speed import SHAPES, Step, kernel_floor, kernel_profile, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
 from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, fp8_gelu, speed  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
@@ -402,7 +404,9 @@ def v2_case(kind_name, args, device, rates) -> dict:
         window, sink = PLAY_WINDOW
         config = dataclasses.replace(config, local_attn_size=window, sink_size=sink)
     warm = config.roll_chunks  # the last warm chunk is the first that evicts (and compiles)
-    chunks = warm + TIMED_CHUNKS
+    timed_end = warm + TIMED_CHUNKS
+    # `--profile`: one more steady chunk, run under the profiler after the timed ones
+    chunks = timed_end + any(name in args.paths for name in args.profile)
     lat_shape = (chunk * chunks, lat_h, lat_w)
     g = torch.Generator().manual_seed(0)
     y = torch.randn(20, *lat_shape, generator=g).to(device)
@@ -445,7 +449,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
         session._graphs = session._graphs and not name.endswith("_nograph")
         out[name] = {"cuda_graph": session._graphs}
         times, steps, commits, xs = [], [], [], []
-        for c in range(chunks):
+        for c in range(timed_end):
             sync(device)
             t0 = time.perf_counter()
             xs.append(session.next_chunk(cams[c]))
@@ -454,6 +458,10 @@ def v2_case(kind_name, args, device, rates) -> dict:
             step_s, commit_s = timer.split()
             steps.append(step_s)
             commits.append(commit_s)
+        if name in args.profile:
+            out[name]["kernels"] = kernel_profile(
+                functools.partial(session.next_chunk, cams[timed_end]), device, 40
+            )
         session.close()
         latents[name] = xs
         out[name] |= {
@@ -484,7 +492,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
         out["fp8"]["first_chunk_deviation"] = deviation(latents["fp8"][0], latents["bf16"][0])
     # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)
     forwards = len(config.timestep_index) + 1
-    kv = min(out["kv_tokens_when_full"], out["q_tokens"] * chunks) or out["q_tokens"]
+    kv = min(out["kv_tokens_when_full"], out["q_tokens"] * timed_end) or out["q_tokens"]
     timed = [name for name in PATHS if "chunk_s" in out[name]]
     out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates, timed)
     for name in PATHS:
@@ -658,6 +666,13 @@ def main() -> int:
         help="cases to leave out",
     )
     ap.add_argument("--cpu-compile", action="store_true", help="also compile on CPU (minutes to build)")
+    ap.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        choices=PATHS,
+        help="chunk-loop paths to run one more steady chunk of under torch.profiler: its top kernels by time",
+    )
     ap.add_argument(
         "--paths",
         nargs="+",

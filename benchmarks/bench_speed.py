@@ -26,6 +26,7 @@ Prints one JSON line at the end.
 """
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -138,15 +139,15 @@ def run_case(step: Step, options: SpeedOptions, guide: float, repeats: int, refe
     return result
 
 
-def kernel_profile(step: Step, options: SpeedOptions, guide: float, top: int = 25) -> list[dict]:
-    """One step under torch.profiler: the `top` device kernels by total time (name, ms, calls), and a
+def kernel_profile(run, device, top: int = 25) -> list[dict]:
+    """`run()` once under torch.profiler: the `top` device kernels by total time (name, ms, calls), and a
     last row with the rest. Shows where a case's time goes next to the floor's GEMMs and attention."""
     from torch.profiler import ProfilerActivity, profile
 
-    activity = ProfilerActivity.CUDA if step.device.type == "cuda" else ProfilerActivity.CPU
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
-        step(options, guide, SpeedStats())
-        sync(step.device)
+        run()
+        sync(device)
     attr = "device_time_total" if activity == ProfilerActivity.CUDA else "self_cpu_time_total"
     rows = sorted(
         ((e.key, getattr(e, attr) / 1e3, e.count) for e in prof.key_averages() if getattr(e, attr) > 0),
@@ -369,7 +370,9 @@ def main() -> int:
                 reference = summary[name]["latent"]
             del summary[name]["latent"]
             if name in args.profile:
-                summary[name]["kernels"] = kernel_profile(step, options, guide)
+                summary[name]["kernels"] = kernel_profile(
+                    functools.partial(step, options, guide, SpeedStats()), device
+                )
             print(f"{name}: {summary[name]}", file=sys.stderr)
     if "lora" not in args.skip:
         summary["lora"] = lora_case(step, args.repeats, args.lora_rank, summary["eager"])

@@ -22,6 +22,7 @@ import torch
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.stream import load_expert
+from lingbot_world.wan import devices
 from lingbot_world.wan.config import CONTROL_CHANNELS
 from lingbot_world.wan.fast import FastSession
 from lingbot_world.wan.lora import Lora
@@ -403,3 +404,10 @@ class TinyRun:
 
         args = (self.noise, self.y, self.context, self.context_null, self.cam, SampleConfig(sample_steps=4))
         return pipeline.denoise(lambda which: self.model, *args, pipeline.Hooks(), speed=options)
+
+
+def fake_module(monkeypatch, name: str, module) -> None:
+    """Stand `module` in for the optional package `name` for one test (None: its import fails), with the attention
+    backends' kept imports (`wan.devices.kept_import`) emptied so the next lookup sees it."""
+    monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(devices, "_imported", {})

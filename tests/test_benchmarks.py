@@ -446,7 +446,7 @@ def test_bench_upstream_v2(tmp_path):
 
 
 def test_bench_fp8(tmp_path):
-    s = run_tiny("bench_fp8.py", tmp_path)
+    s = run_tiny("bench_fp8.py", tmp_path, "--profile", "fp8")
     assert s["bench"] == "fp8" and s["device"] == "cpu" and "fp8 tensor cores" in s["fp8_problem"]
     assert (
         "CUDA GPU" in s["fp8_attention_problem"] and s["attention"]["fp8_cudnn"] == s["fp8_attention_problem"]
@@ -473,6 +473,11 @@ def test_bench_fp8(tmp_path):
             assert v2[f"{name}_compiled"]["skipped"].startswith("CPU")
             assert v2[f"{name}_compiled_fp8attn"]["skipped"]
         assert v2["fp8_over_bf16"] == pytest.approx(v2["fp8"]["chunk_s"] / v2["bf16"]["chunk_s"], rel=1e-2)
+        # one more chunk of the profiled path, after the timed ones: its ops by time, the largest first
+        kernels = v2["fp8"]["kernels"]
+        assert "kernels" not in v2["bf16"] and 2 <= len(kernels) <= 41 and "others" in kernels[-1]["kernel"]
+        times = [k["ms"] for k in kernels[:-1]]
+        assert times == sorted(times, reverse=True) and any("_scaled_mm" in k["kernel"] for k in kernels)
     attn = s["attention"]
     assert set(attn["packages"]) == {"flash_attn", "flash_attn_interface", "flashinfer", "sageattention"}
     for shape in ("base_cam_self", "base_cam_cross", "v2_14b_chunk", "v2_1_3b_chunk", "v2_14b_chunk_kv22"):

@@ -2,12 +2,15 @@
 per session, and the compiled chunk loop (`FastConfig.compile`): it traces once the window is full, without
 graph breaks, with two graphs for every block and chunk after, and equals the eager loop."""
 
+import types
+
 import pytest
 import torch
+from helpers import fake_module
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.session import chunked
-from lingbot_world.wan import fast, speed
+from lingbot_world.wan import fa3_attention, fast, speed
 from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.dit import WanModel, init_random_
 from lingbot_world.wan.fast import FastConfig, FastSession, generate_fast
@@ -67,6 +70,43 @@ def test_compiled_chunk_loop_traces_once_without_graph_breaks_and_equals_eager(t
     # a second session reuses the graphs
     generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW, compile=True), "cpu")
     assert len(traced_chunk_blocks) == 2
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa3_fp8"])
+def test_compiled_chunk_loop_with_flashattention3_is_one_graph_per_block(
+    traced_chunk_blocks, monkeypatch, backend
+):
+    """FlashAttention-3 is looked up in its package at every call; an import there split each compiled block at
+    its attention calls (eleven graphs a block on an H100, none fused across the splits). A stand-in package
+    that dynamo traces as it would the real one's entry point."""
+    package = types.ModuleType("flash_attn_interface")
+
+    def flash_attn_func(q, k, v, q_descale=None, k_descale=None, v_descale=None):
+        if q_descale is not None:  # e4m3 codes with [batch, heads] descales
+            q, k, v = (
+                t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
+            )
+        o = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
+        return o.transpose(1, 2).to(torch.bfloat16)
+
+    package.flash_attn_func = flash_attn_func
+    fake_module(monkeypatch, "flash_attn_interface", package)
+    monkeypatch.setattr(fa3_attention, "MIN_KEYS", 1)  # the tiny window's keys take the fp8 kernel too
+    y, ctx, cam = inputs()
+    kv = torch.float8_e4m3fn if backend == "fa3_fp8" else None
+    config = FastConfig(**WINDOW, compile=True, attention=backend, kv_dtype=kv)
+    s = FastSession(model(), ctx, y, LAT, config, "cpu")
+    for k in range(4):
+        s.next_chunk(cam[:, :, 3 * k : 3 * k + 3])
+    assert len(traced_chunk_blocks) == 2 and not torch._dynamo.utils.counters["graph_break"]
+    # each graph holds the block's whole forward: its self- and cross-attention and the FFN
+    for graph in traced_chunk_blocks:
+        code = graph.code
+        assert code.count("scaled_dot_product_attention") == 2 and "gelu" in code
+        # RoPE's rotated pairs are stacked in the attention's dtype, not float64: the stack is what inductor writes
+        # out and what fp8 attention's quantization reads back
+        stacks = [n.meta["example_value"].dtype for n in graph.graph.nodes if n.target is torch.stack]
+        assert len(stacks) == 2 and torch.float64 not in stacks
 
 
 def test_live_play_compiles_its_growing_chunks_from_the_second(traced_chunk_blocks):

@@ -3,12 +3,11 @@ per-head fp8 scales, an fp8 cache's values as stored, short key sets), checked a
 records every call and computes what FA3 computes from what it is handed; the refusals where FA3 cannot run
 (no CUDA here; another card; the package missing), in the CLI and the Speed node; the memory plan's copies."""
 
-import sys
 import types
 
 import pytest
 import torch
-from helpers import expect_clear_error, fast_args
+from helpers import expect_clear_error, fake_module, fast_args
 from lingbot_world import cli
 from lingbot_world.wan import attention, fa3_attention, fp8_attention
 
@@ -46,7 +45,7 @@ class RecordingFA3(types.ModuleType):
 @pytest.fixture
 def fa3(monkeypatch):
     module = RecordingFA3()
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", module)
+    fake_module(monkeypatch, "flash_attn_interface", module)
     return module
 
 
@@ -132,7 +131,7 @@ def test_fa3_refused_where_it_cannot_run(monkeypatch):
     fp8_runs.clear()
     assert check("fa3_fp8", 0).endswith("Instead: use --attention sdpa (PyTorch's kernels, exact)")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # not installed: import fails
+    fake_module(monkeypatch, "flash_attn_interface", None)  # not installed: import fails
     problem = check("fa3", 0)
     assert "flash_attn_3" in problem and "flash_attn_interface" in problem and "--attention sdpa" in problem
     with pytest.raises(

@@ -8,6 +8,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from helpers import fake_module
 from lingbot_world import cli
 from lingbot_world.loaders import checkpoints, synthetic
 from lingbot_world.loaders.experts import ExpertSwitcher
@@ -153,7 +154,7 @@ def test_speed_options_through_sample(parts, monkeypatch):
 
     encoded = []
     monkeypatch.setattr(parts.vae, "encode", lambda video: encoded.append(video))
-    monkeypatch.setitem(sys.modules, "sageattention", None)
+    fake_module(monkeypatch, "sageattention", None)
     with pytest.raises(RuntimeError, match="sageattention"):
         parts.sample(switcher, speed=SpeedOptions(attention="sage"))
     assert encoded == []  # failed before any work

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import counting_blocks
+from helpers import counting_blocks, fake_module
 from lingbot_world.loaders.synthetic import tiny_config
 from lingbot_world.wan import attention, i2v, pipeline, schedulers, speed
 from lingbot_world.wan.config import SampleConfig
@@ -319,7 +319,7 @@ def test_unknown_attention_backend_lists_the_choices(inputs):
 
 
 def test_sage_without_the_package_names_it(inputs, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sageattention", None)  # import fails as if not installed
+    fake_module(monkeypatch, "sageattention", None)  # import fails as if not installed
     with pytest.raises(RuntimeError, match="sageattention"):
         inputs.denoise(speed=SpeedOptions(attention="sage"))
     assert attention.active() is attention.sdpa

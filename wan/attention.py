@@ -21,13 +21,13 @@ calls the active backend.
 """
 
 import contextlib
-import importlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from . import fa3_attention, fp8_attention
+from .devices import kept_import
 
 Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
@@ -48,7 +48,7 @@ def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -
 
 def _sageattn():
     try:
-        return importlib.import_module("sageattention").sageattn
+        return kept_import("sageattention").sageattn
     except (ImportError, AttributeError) as err:
         raise RuntimeError(
             "attention='sage' needs the `sageattention` package (pip install sageattention, CUDA only), "

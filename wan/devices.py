@@ -1,5 +1,7 @@
-"""Where an optional kernel can run: the checks of `fp8`, `fp8_attention` and `fa3_attention` share this."""
+"""Where an optional kernel can run: the checks of `fp8`, `fp8_attention` and `fa3_attention` share this, and
+the optional kernel packages' modules, imported once."""
 
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -18,3 +20,17 @@ def card_problem(device, off_card: Callable[[str], str], on_card: Callable[[int]
     if device.type != "cuda":
         return off_card(device.type)
     return on_card(cuda_index(device))
+
+
+_imported: dict = {}  # optional kernel packages' modules, by name (`kept_import`)
+
+
+def kept_import(name: str):
+    """`importlib.import_module(name)`, kept after the first success. Attention backends look their package up on
+    every call; torch.compile does not trace the import machinery, so an import inside a compiled block split its
+    graph at every attention call (FlashAttention-3's blocks ran as eleven graphs each, unfused across the
+    splits). A kept module is a plain lookup it traces through. Raises what the import raises."""
+    module = _imported.get(name)
+    if module is None:
+        module = _imported[name] = importlib.import_module(name)
+    return module

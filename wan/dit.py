@@ -133,7 +133,11 @@ def _rotate_pairs(x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tens
     """x [l, heads, 2c] rotated by `rope_table` rows [l, 1, c, 2]: the complex product in real float64."""
     xr = x.to(torch.float64).reshape(x.shape[0], x.shape[1], -1, 2)
     a, b, cos, sin = xr[..., 0], xr[..., 1], table[..., 0], table[..., 1]
-    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(2).float().to(out_dtype)
+    # each half rounded before the stack (the same values): compiled, the stack is the tensor inductor writes out,
+    # so it is written in out_dtype; stacked in float64 it was written in float64 (4x the bytes of bf16) and read
+    # back so by fp8 attention's quantization
+    pairs = ((a * cos - b * sin).float().to(out_dtype), (a * sin + b * cos).float().to(out_dtype))
+    return torch.stack(pairs, dim=-1).flatten(2)
 
 
 def rope_apply(

@@ -13,17 +13,17 @@ is not on PyPI).
   Lossy: the benchmark reports the deviation.
 
 FA3 3.0's entry point is a registered custom op with a fake implementation, so compiled blocks trace through it
-without a graph break (an older build that calls its extension directly would break the graph there). FA3 runs
+without a graph break (an older build that calls its extension directly would break the graph there); its module
+is looked up through `devices.kept_import`, since an import inside a compiled block breaks the graph too. FA3 runs
 on compute capability 9.0 only (H100, H200, H20); `problem` refuses it elsewhere and names the fallback.
 """
 
 import functools
-import importlib
 
 import torch
 
 from . import fp8_attention
-from .devices import card_problem
+from .devices import card_problem, kept_import
 from .fp8_attention import MIN_KEYS
 
 MODULE = "flash_attn_interface"
@@ -33,7 +33,7 @@ EXACT = "use --attention sdpa (PyTorch's kernels, exact)"
 
 def interface():
     try:
-        return importlib.import_module(MODULE)
+        return kept_import(MODULE)
     except (ImportError, OSError) as err:
         raise RuntimeError(
             f"FlashAttention-3 needs the {PACKAGE} package, whose {MODULE} module is not importable here: {err}"

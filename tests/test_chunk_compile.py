@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from helpers import fake_module
+from helpers import fa3_math, fake_module
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.session import chunked
@@ -77,19 +77,10 @@ def test_compiled_chunk_loop_with_flashattention3_is_one_graph_per_block(
     traced_chunk_blocks, monkeypatch, backend
 ):
     """FlashAttention-3 is looked up in its package at every call; an import there split each compiled block at
-    its attention calls (eleven graphs a block on an H100, none fused across the splits). A stand-in package
-    that dynamo traces as it would the real one's entry point."""
+    its attention calls (eleven graph calls a block on an H100, none fused across the splits). The stand-in package
+    is plain Python, traced inline; the real entry point is a custom op, traced as one node."""
     package = types.ModuleType("flash_attn_interface")
-
-    def flash_attn_func(q, k, v, q_descale=None, k_descale=None, v_descale=None):
-        if q_descale is not None:  # e4m3 codes with [batch, heads] descales
-            q, k, v = (
-                t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
-            )
-        o = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
-        return o.transpose(1, 2).to(torch.bfloat16)
-
-    package.flash_attn_func = flash_attn_func
+    package.flash_attn_func = fa3_math
     fake_module(monkeypatch, "flash_attn_interface", package)
     monkeypatch.setattr(fa3_attention, "MIN_KEYS", 1)  # the tiny window's keys take the fp8 kernel too
     y, ctx, cam = inputs()
@@ -103,6 +94,8 @@ def test_compiled_chunk_loop_with_flashattention3_is_one_graph_per_block(
     for graph in traced_chunk_blocks:
         code = graph.code
         assert code.count("scaled_dot_product_attention") == 2 and "gelu" in code
+        # the fp8 kernel's operands are made in the graph
+        assert ("float8_e4m3fn" in code) is (backend == "fa3_fp8")
         # RoPE's rotated pairs are stacked in the attention's dtype, not float64: the stack is what inductor writes
         # out and what fp8 attention's quantization reads back
         stacks = [n.meta["example_value"].dtype for n in graph.graph.nodes if n.target is torch.stack]

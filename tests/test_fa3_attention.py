@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from helpers import expect_clear_error, fake_module, fast_args
+from helpers import expect_clear_error, fa3_math, fake_module, fast_args
 from lingbot_world import cli
 from lingbot_world.wan import attention, fa3_attention, fp8_attention
 
@@ -32,14 +32,9 @@ class RecordingFA3(types.ModuleType):
                 "inputs": (q, k, v),
             }
         )
-        fp8 = q.dtype == FP8
-        if fp8:
-            q, k, v = (
-                t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
-            )
-        o = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
-        o = o.transpose(1, 2)
-        return (o.to(torch.bfloat16) if fp8 else o.to(q.dtype)), None  # (out, softmax_lse) as some builds do
+        return fa3_math(
+            q, k, v, q_descale, k_descale, v_descale
+        ), None  # (out, softmax_lse) as some builds do
 
 
 @pytest.fixture

@@ -37,8 +37,9 @@ chunk (with `overlap`: the slower of the DiT and the decode) and the decode's, k
 or mouse event's arrival to the hand-out of the first frame of the latent frame it landed in) as p50/p95,
 `read_to_frame` (per chunk, from its input's read to the hand-out of the first frame a key can land in: in hold
 mode a key's key->pixel is its wait for the next read plus this), and the device memory. Those are hand-out
-figures (the frames shown as they are made); each frame carries the arrival times of the events it answers (`PlayFrame.keys`), so a front end
-that paces the frames (session.pacer) measures key->pixel to the frame's show time.
+figures (the frames shown as they are made); each frame carries the arrival times of the events it answers
+(`PlayFrame.keys`), so a front end that paces the frames (session.pacer) measures key->pixel to the frame's show
+time.
 
 Sequence parallel (`ranks` > 1, every rank in a `session.distributed.process_group`): rank 0 is the session
 above (text encoder, VAE, condition, keys, camera, decode, the front end); every rank holds the DiT with its

@@ -28,8 +28,8 @@ _imported: dict = {}  # optional kernel packages' modules, by name (`kept_import
 def kept_import(name: str):
     """`importlib.import_module(name)`, kept after the first success. Attention backends look their package up on
     every call; torch.compile does not trace the import machinery, so an import inside a compiled block split its
-    graph at every attention call (FlashAttention-3's blocks ran as eleven graphs each, unfused across the
-    splits). A kept module is a plain lookup it traces through. Raises what the import raises."""
+    graph at every attention call (FlashAttention-3's blocks ran as eleven graph calls each, unfused across
+    the splits). A kept module is a plain lookup it traces through. Raises what the import raises."""
     module = _imported.get(name)
     if module is None:
         module = _imported[name] = importlib.import_module(name)

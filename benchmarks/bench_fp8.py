@@ -28,9 +28,9 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
 - ``*_fp8attn`` / ``*_fa3attn`` / ``*_fa3fp8attn`` paths (base-cam and chunk loops): the compiled path with
   `attention='fp8'` / `'fa3'` / `'fa3_fp8'` as well; their floor counts that backend's kernel in place of SDPA's.
 - ``*_cams`` (chunk loops): the kept camera injections; ``*_fastacc``: the fp8 linears' fast accumulation
-  (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too; ``*_unfused``: the fp8 FFN's GELU
-  and row quantization left to inductor instead of `wan.fp8_gelu`'s kernel (every other fp8 path on CUDA takes
-  the kernel), the same floor.
+  (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too; ``*_unfused``: the blocks' Triton
+  kernels off (`wan.fp8_gelu`'s GELU + quantization, `wan.qk_rope`'s q/k norm + RoPE), left to inductor (every
+  other path on CUDA takes them where they apply), the same floor.
 - ``--profile PATH ...`` (chunk loops): one more chunk after the timed ones under torch.profiler, its top 40
   device kernels by time (``kernels``: name, ms, calls): where the chunk's time goes beside its floor.
 
@@ -60,7 +60,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_speed import SHAPES, Step, kernel_floor, kernel_profile, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
-from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, fp8_gelu, speed  # noqa: E402
+from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, fp8_gelu, qk_rope, speed  # noqa: E402
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
@@ -99,9 +99,14 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
 FASTACC = "_fastacc"  # the fp8 linears' fast accumulation (`wan.fp8.accumulation`)
-# the fp8 FFN's GELU and quantization as inductor fuses them (`wan.fp8_gelu` off): the kernel's A/B
+# the blocks' row kernels off (`wan.fp8_gelu`, `wan.qk_rope`; `row_kernels`): their A/B
 UNFUSED = "_unfused"
 CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-cam has no cache nor chunks)
+
+
+def row_kernels(on: bool) -> None:
+    """The blocks' Triton Triton kernels on or off (read when a block is traced: a change recompiles)."""
+    fp8_gelu.enabled = qk_rope.enabled = on
 
 
 def path_options(name: str) -> dict:
@@ -333,7 +338,7 @@ def base_cam(args, device, rates) -> dict:
             out[name] = {"skipped": skip}
             continue
         options = SpeedOptions(**path_options(path))
-        fp8_gelu.enabled = UNFUSED not in path
+        row_kernels(UNFUSED not in path)
         if options.fp8 and not fp8.is_fp8(model.blocks[0].self_attn.q):
             out["fp8_layers"] = to_fp8_(model)
         res = run_case(step, options, 5.0, args.repeats, reference)
@@ -343,7 +348,7 @@ def base_cam(args, device, rates) -> dict:
                 res["flow_deviation"] = deviation(flow(), flow_ref)
         out[name] = res
         print(f"base_cam {name}: {res}", file=sys.stderr)
-    fp8_gelu.enabled = True
+    row_kernels(True)
     timed = [name for name in PATHS if "step_s" in out.get(name, {})]
     out["floor"] = floors(cfg, step.tokens, step.tokens, cfg.text_len, device, 2, rates, timed)
     base = out.get("bf16_compiled", {}).get("step_s")
@@ -430,7 +435,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
             out[name] = {"skipped": skip}
             continue
         options = path_options(name)
-        fp8_gelu.enabled = UNFUSED not in name
+        row_kernels(UNFUSED not in name)
         compiled = options["compile"]
         kv = torch.float8_e4m3fn if "_kv8" in name else config.kv_dtype
         if options["fp8"] and not fp8.is_fp8(model.blocks[0].self_attn.q):
@@ -487,7 +492,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
         if device.type == "cuda":
             out[name]["peak_vram_gib"] = round(torch.cuda.max_memory_allocated(device) / (1 << 30), 2)
         print(f"{kind_name} {name}: {out[name]}", file=sys.stderr)
-    fp8_gelu.enabled = True
+    row_kernels(True)
     if "fp8" in latents and "bf16" in latents:
         out["fp8"]["first_chunk_deviation"] = deviation(latents["fp8"][0], latents["bf16"][0])
     # the floor of one chunk: its forwards' kernels with the window full (cross k/v cached after the first)

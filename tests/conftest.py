@@ -1,3 +1,6 @@
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -145,3 +148,18 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{count} {marker} test(s); to run them: {_HOW[marker]}")
         for path, names in files.items():
             tr.write_line(f"  {path}: {', '.join(names)}")
+
+
+@pytest.fixture(scope="session")
+def interpreted_kernels():
+    """What tests/fp8_kernels_worker.py measured of the blocks' Triton kernels (`wan.fp8_gelu`, `wan.qk_rope`)
+    run through Triton's interpreter on CPU tensors, in a process of its own (TRITON_INTERPRET=1 must precede
+    Triton's import)."""
+    pytest.importorskip(
+        "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
+    )
+    worker = Path(__file__).with_name("fp8_kernels_worker.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -486,6 +486,19 @@ def test_bench_fp8(tmp_path):
         assert all(r["rel_l2"] < 0.01 for r in ran.values())  # bf16 kernels against the fp32 reference
 
 
+def test_bench_qk_rope(tmp_path):
+    pytest.importorskip(
+        "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
+    )
+    s = run_tiny("bench_qk_rope.py", tmp_path, env={"TRITON_INTERPRET": "1"})
+    assert s["bench"] == "qk_rope" and s["scale"] == "tiny" and s["device"] == "cpu"
+    case = s["two heads"]
+    assert case["tokens"] == 30 and case["width"] == 48 and case["usable"]
+    assert "compiled_ms" not in case  # CPU: no compiled comparison
+    # the interpreter rounds to bf16 toward zero: close to the eager path, not equal to it
+    assert 0 < case["kernel_vs_eager"]["rel_l2"] < 0.05 and case["kernel_ms"] > 0 and case["eager_ms"] > 0
+
+
 def test_bench_fp8_gelu(tmp_path):
     pytest.importorskip(
         "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"

@@ -1,36 +1,17 @@
 """The fp8 FFN's fused GELU + row quantization (`wan.fp8_gelu`): a Triton kernel on CUDA, checked here on CPU
-tensors through Triton's interpreter (a process of its own: TRITON_INTERPRET=1 must precede Triton's import).
+tensors through Triton's interpreter (conftest's `interpreted_kernels`).
 The interpreter casts to bf16 toward zero and to e4m3 its own way, where a GPU rounds to nearest even: so codes are
 compared with the unfused quotient cast by the interpreter too, and the GPU's equality with the unfused path is
 measured by benchmarks/bench_fp8_gelu.py."""
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from helpers import TinyRun
 from lingbot_world.wan import fp8, fp8_gelu
 
-WORKER = Path(__file__).with_name("fp8_gelu_worker.py")
 
-
-@pytest.fixture(scope="module")
-def interpreted():
-    pytest.importorskip(
-        "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(WORKER)], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_kernel_matches_gelu_then_row_quantization(interpreted):
-    cases = interpreted["cases"]
+def test_kernel_matches_gelu_then_row_quantization(interpreted_kernels):
+    cases = interpreted_kernels["cases"]
     for name in ("bf16", "fp32", "strided", "pow2"):
         case = cases[name]
         assert case["usable"] and case["dtype"] == "torch.float8_e4m3fn", name
@@ -45,8 +26,8 @@ def test_kernel_matches_gelu_then_row_quantization(interpreted):
     assert cases["zero_row"] == {"codes_max": 0.0, "scale": pytest.approx(1e-12 / 448, rel=1e-6)}
 
 
-def test_fp8_ffn_takes_the_kernel_once_per_block(interpreted):
-    forward = interpreted["forward"]
+def test_fp8_ffn_takes_the_kernel_once_per_block(interpreted_kernels):
+    forward = interpreted_kernels["forward"]
     # the tiny model's 2 blocks: one call each, on the [tokens, ffn_dim] hidden
     assert [shape[1] for shape in forward["kernel_calls"]] == [forward["ffn_dim"]] * 2
     assert forward["finite"] and 0 < forward["rel_deviation"] < 0.02
@@ -93,5 +74,5 @@ def test_rows_split_into_few_power_of_two_blocks():
         assert all(p == 0 or p & (p - 1) == 0 for p in (first, second, third)), cols
 
 
-def test_kernel_takes_rows_that_fit_a_program(interpreted):
-    assert interpreted["usable"] == {"widest": True, "too_wide": False, "3d": False, "no_rows": False}
+def test_kernel_takes_rows_that_fit_a_program(interpreted_kernels):
+    assert interpreted_kernels["usable"] == {"widest": True, "too_wide": False, "3d": False, "no_rows": False}

@@ -23,7 +23,7 @@ from einops import rearrange
 from torch import nn
 
 from . import attention as attention_backends
-from . import parallel
+from . import parallel, qk_rope
 from .config import CONTROL_CHANNELS, DiTConfig
 from .fp8 import FP8, fp8_linear, gelu_linear
 
@@ -240,19 +240,34 @@ class WanSelfAttention(nn.Module):
         for buf, make in zip(out, makers, strict=True):
             buf.copy_(make().view(-1, n, d))
 
-    def attend(self, q, k, v, grid, freqs, dtype, keys=None, in_place=False):
+    def normed_rotated(self, x, freqs, dtype):
+        """(q, k, v) of tokens x with q and k already normed and rotated, each in one kernel (`wan.qk_rope`), where
+        that runs: the compiled runner's RoPE table, outside sequence parallel (which rotates after the exchange
+        of heads); None elsewhere."""
+        if not isinstance(self.norm_q, WanRMSNorm) or parallel.current() is not None:
+            return None
+        if not qk_rope.usable(x, freqs):
+            return None
+        n, d = self.num_heads, self.head_dim
+        q = qk_rope.norm_rope(self.norm_q, linear(self.q, x, dtype), freqs, dtype).view(-1, n, d)
+        k = qk_rope.norm_rope(self.norm_k, linear(self.k, x, dtype), freqs, dtype).view(-1, n, d)
+        return q, k, linear(self.v, x, dtype).view(-1, n, d)
+
+    def attend(self, q, k, v, grid, freqs, dtype, keys=None, in_place=False, rotated=False):
         """RoPE on q and k, then attention of q over the keys: [L, heads, head_dim] in, the attention output
         out. `keys(k, v)`: the keys and values the queries attend to, given this call's rotated k and v
         (None: themselves, bidirectional; a chunk-causal cache writes them and returns cache + chunk).
         Under sequence parallel (`wan.parallel.current`) q, k, v are the local token slices and this runs on
-        the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers.
+        the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers; `rotated`: they
+        already are (`normed_rotated`).
 
         Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going straight to
         `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory."""
 
         def core(q, k, v):
-            q = rope_apply(q, grid, freqs, dtype, out=q if in_place else None)
-            k = rope_apply(k, grid, freqs, dtype, out=k if in_place else None)
+            if not rotated:
+                q = rope_apply(q, grid, freqs, dtype, out=q if in_place else None)
+                k = rope_apply(k, grid, freqs, dtype, out=k if in_place else None)
             if keys is not None:
                 k, v = keys(k, v)
             return attention(q, k, v, dtype)
@@ -261,9 +276,10 @@ class WanSelfAttention(nn.Module):
         return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
 
     def forward(self, x, grid, freqs, dtype, keys=None):
-        q, k, v = self.qkv(x, dtype)
-        out = self.attend(q, k, v, grid, freqs, dtype, keys)
-        del q, k, v
+        rotated = self.normed_rotated(x, freqs, dtype)
+        q, k, v = rotated if rotated is not None else self.qkv(x, dtype)
+        out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated is not None)
+        del q, k, v, rotated
         return linear(self.o, out.flatten(1), dtype)
 
 

@@ -33,16 +33,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
 
 
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether this process's Triton kernels can take tensor t: on CUDA, or anywhere under its interpreter."""
+    return triton is not None and (t.is_cuda or _INTERPRET)
+
+
 def usable(h: torch.Tensor) -> bool:
     """Whether `gelu_quantize_rows` runs for hidden `h` [rows, cols] here."""
-    return (
-        enabled
-        and triton is not None
-        and (h.is_cuda or _INTERPRET)
-        and h.dim() == 2
-        and h.numel() > 0
-        and h.shape[1] <= MAX_COLS
-    )
+    return enabled and triton_runs_on(h) and h.dim() == 2 and h.numel() > 0 and h.shape[1] <= MAX_COLS
 
 
 def parts(cols: int) -> tuple[int, int, int]:

@@ -1,6 +1,8 @@
-"""Run by tests/test_fp8_gelu.py under TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set
-before Triton is imported, hence a process of its own): the fused GELU + e4m3 kernel against the unfused path,
-alone and inside a tiny fp8 model's forward. Prints one JSON line of measurements; the test judges them."""
+"""Run for tests/test_fp8_gelu.py and tests/test_qk_rope.py (conftest's `interpreted_kernels`) under
+TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set before Triton is imported, hence a process
+of its own): the fused GELU + e4m3 kernel (`wan.fp8_gelu`) against the unfused path, alone and inside a tiny fp8
+model's forward; the q/k RMSNorm + RoPE kernel (`wan.qk_rope`) against the norm and `rope_apply`, alone and in a
+self-attention's forward. Prints one JSON line of measurements; the tests judge them."""
 
 import json
 import sys
@@ -16,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helpers import TinyRun  # noqa: E402
-from lingbot_world.wan import fp8, fp8_gelu  # noqa: E402
+from lingbot_world.wan import dit, fp8, fp8_gelu, qk_rope  # noqa: E402
 
 
 @triton.jit
@@ -60,6 +62,33 @@ cases = {
 zero_codes, zero_scale = fp8_gelu.gelu_quantize_rows(torch.zeros(1, 32))
 cases["zero_row"] = {"codes_max": float(zero_codes.float().abs().max()), "scale": float(zero_scale[0])}
 
+
+def rope_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
+    """The q/k kernel on x [tokens, heads * d] against WanRMSNorm then `rope_apply` with the compiled table, and a
+    self-attention's forward with and without it (`WanSelfAttention.normed_rotated`)."""
+    tokens = grid[0] * grid[1] * grid[2]
+    attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=3).requires_grad_(False)
+    attn.norm_q.weight.data = 1 + 0.3 * torch.randn(heads * d, generator=g)
+    table = dit.rope_table(grid, dit.rope_freqs(d))
+    x = (torch.randn(tokens, heads * d, generator=g) * 3).to(dtype)
+    fused = qk_rope.norm_rope(attn.norm_q, x, table, dtype)
+    ref = dit.rope_apply(attn.norm_q(x).view(tokens, heads, d), grid, table, dtype).flatten(1)
+    ulp = torch.finfo(dtype).eps
+    with torch.no_grad():
+        layer = attn(x, grid, table, dtype)
+        qk_rope.enabled = False
+        unfused = attn(x, grid, table, dtype)
+        qk_rope.enabled = True
+    return {
+        "usable": qk_rope.usable(x, table),
+        "shape": list(fused.shape),
+        "equal": float((fused == ref).float().mean()),
+        # the largest difference in units of the largest value's rounding
+        "max_ulps": float((fused.float() - ref.float()).abs().max() / (ref.float().abs().max() * ulp)),
+        "forward_rel": float((layer - unfused).float().norm() / unfused.float().norm()),
+    }
+
+
 run, calls = TinyRun(layers=2), []
 real = fp8_gelu.gelu_quantize_rows
 fp8_gelu.gelu_quantize_rows = lambda h: calls.append(tuple(h.shape)) or real(h)
@@ -80,4 +109,12 @@ usable = {
     "3d": fp8_gelu.usable(torch.empty(1, 2, 64)),
     "no_rows": fp8_gelu.usable(torch.empty(0, 64)),
 }
-print(json.dumps({"cases": cases, "forward": forward, "usable": usable}))
+rope_cases = {"fp32": rope_case(torch.float32), "bf16": rope_case(torch.bfloat16)}
+table, freqs = dit.rope_table((2, 3, 5), dit.rope_freqs(24)), dit.rope_freqs(24)
+rope_cases["usable"] = {
+    "complex": qk_rope.usable(torch.empty(30, 96), dit.rope_positions((2, 3, 5), freqs)),
+    "other_length": qk_rope.usable(torch.empty(31, 96), table),
+    "3d": qk_rope.usable(torch.empty(30, 4, 24), table),
+    "table": qk_rope.usable(torch.empty(30, 96), table),
+}
+print(json.dumps({"cases": cases, "forward": forward, "usable": usable, "rope_cases": rope_cases}))

@@ -105,7 +105,7 @@ CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-
 
 
 def row_kernels(on: bool) -> None:
-    """The blocks' Triton Triton kernels on or off (read when a block is traced: a change recompiles)."""
+    """The blocks' Triton kernels on or off (read when a block is traced: a change recompiles)."""
     fp8_gelu.enabled = qk_rope.enabled = on
 
 

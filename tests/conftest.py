@@ -152,13 +152,13 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def interpreted_kernels():
-    """What tests/fp8_kernels_worker.py measured of the blocks' Triton kernels (`wan.fp8_gelu`, `wan.qk_rope`)
+    """What tests/interpreted_kernels_worker.py measured of the blocks' Triton kernels (`wan.fp8_gelu`, `wan.qk_rope`)
     run through Triton's interpreter on CPU tensors, in a process of its own (TRITON_INTERPRET=1 must precede
     Triton's import)."""
     pytest.importorskip(
         "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
     )
-    worker = Path(__file__).with_name("fp8_kernels_worker.py")
+    worker = Path(__file__).with_name("interpreted_kernels_worker.py")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,7 @@
-"""Self-attention's q/k RMSNorm + RoPE in one Triton kernel (`wan.qk_rope`), checked on CPU tensors through Triton's
-interpreter (conftest's `interpreted_kernels`): fp32 exactly enough to see the formulas; bf16 only loosely, as the
-interpreter casts to bf16 toward zero where a GPU rounds to nearest (the GPU: benchmarks/bench_qk_rope.py)."""
+"""Self-attention's q/k RMSNorm + RoPE in one Triton kernel (`wan.qk_rope`), checked on CPU tensors through
+Triton's interpreter (conftest's `interpreted_kernels`). The interpreter casts to fp16 to nearest, as a GPU does,
+so fp16 shows every rounding of the formulas; it casts to bf16 toward zero, so bf16 is checked only loosely (the
+GPU's bf16: benchmarks/bench_qk_rope.py)."""
 
 import torch
 from helpers import TinyRun
@@ -9,31 +10,62 @@ from lingbot_world.wan import dit, parallel, qk_rope
 
 def test_kernel_matches_rmsnorm_then_rope(interpreted_kernels):
     cases = interpreted_kernels["rope_cases"]
-    fp32, bf16 = cases["fp32"], cases["bf16"]
-    assert fp32["usable"] and fp32["shape"] == [30, 96]
-    # fp32: the largest difference a few roundings of the largest value (the sum of squares in another order)
-    assert fp32["equal"] > 0.5 and fp32["max_ulps"] < 8, fp32
-    assert fp32["forward_rel"] < 1e-6, fp32  # the self-attention's output with and without the kernel
-    assert bf16["usable"] and bf16["max_ulps"] < 8 and bf16["forward_rel"] < 0.05, bf16
-    assert cases["usable"] == {"complex": False, "other_length": False, "3d": False, "table": True}
+    for name in ("fp32", "fp16", "fp16_strided", "bf16"):
+        assert cases[name]["usable"] and cases[name]["shape"] == [30, 96], name
+    # fp16: the module's roundings (norm, weight, rotation, output) one for one: every value equal
+    for name in ("fp16", "fp16_strided"):
+        assert cases[name]["equal"] == 1.0 and cases[name]["forward_rel"] == 0.0, cases[name]
+    assert cases["fp16_strided"]["stride"] == 128  # rows read at the view's stride
+    # fp32: within a rounding of the largest value (the sum of squares is taken in another order)
+    assert cases["fp32"]["max_ulps"] < 2 and cases["fp32"]["forward_rel"] < 1e-6, cases["fp32"]
+    assert cases["bf16"]["max_ulps"] < 8 and cases["bf16"]["forward_rel"] < 0.05, cases["bf16"]
+    assert cases["zero_rows"] == {"finite": True, "max_abs": 0.0}  # eps keeps an all-zero row at zero
+    assert cases["usable"] == {
+        "complex": False,
+        "other_length": False,
+        "3d": False,
+        "other_head_dim": False,
+        "table": True,
+    }
 
 
-def test_eager_and_sequence_parallel_blocks_rotate_as_before(monkeypatch):
-    """The kernel needs the compiled runner's real table and the whole sequence's heads: eager blocks (complex
-    freqs) and sequence-parallel ones never call it, so their q and k are normed and rotated as written."""
-    monkeypatch.setattr(qk_rope, "usable", lambda x, table: not table.is_complex())  # as on a GPU
+def test_only_compiled_blocks_outside_sequence_parallel_take_the_kernel(monkeypatch):
+    """The kernel needs the compiled runner's real table, the whole sequence's heads and an RMSNorm: eager blocks
+    (complex freqs), sequence-parallel ones and ones without q/k norms never call it, so their q and k are normed
+    and rotated as written."""
+    monkeypatch.setattr(qk_rope, "triton_runs_on", lambda t: True)  # as on a GPU
+    calls = []
+    monkeypatch.setattr(qk_rope, "norm_rope", lambda norm, t, table, dtype: calls.append(norm) or t)
     attn = TinyRun(layers=1, use_fp8=False).model.blocks[0].self_attn
     x, grid = torch.randn(24, 64), (2, 3, 4)
     freqs = dit.rope_freqs(attn.head_dim)
+    table = dit.rope_table(grid, freqs)
     assert attn.normed_rotated(x, freqs, torch.float32) is None  # complex: eager
     monkeypatch.setattr(parallel, "current", lambda: object())
-    assert attn.normed_rotated(x, dit.rope_table(grid, freqs), torch.float32) is None
+    assert attn.normed_rotated(x, table, torch.float32) is None
     monkeypatch.setattr(parallel, "current", lambda: None)
-    calls = []
-    monkeypatch.setattr(qk_rope, "norm_rope", lambda norm, t, table, dtype: calls.append(norm) or t)
-    q, k, v = attn.normed_rotated(x, dit.rope_table(grid, freqs), torch.float32)
-    assert calls == [attn.norm_q, attn.norm_k] and q.shape == k.shape == v.shape == (
-        24,
-        attn.num_heads,
-        attn.head_dim,
-    )
+    plain = dit.WanSelfAttention(64, attn.num_heads, qk_norm=False)
+    assert plain.normed_rotated(x, table, torch.float32) is None
+    assert calls == []
+    q, k, v = attn.normed_rotated(x, table, torch.float32)
+    assert calls == [attn.norm_q, attn.norm_k]
+    assert q.shape == k.shape == v.shape == (24, attn.num_heads, attn.head_dim)
+
+
+def test_lean_blocks_rotate_in_place_without_the_kernel(monkeypatch):
+    """`forward_lean` fills q, k and v chunk by chunk and rotates them in place: it never takes the kernel, even
+    with the compiled runner's table."""
+    monkeypatch.setattr(qk_rope, "triton_runs_on", lambda t: True)
+
+    def unreachable(*args):
+        raise AssertionError("the lean block took the q/k kernel")
+
+    monkeypatch.setattr(qk_rope, "norm_rope", unreachable)
+    block = TinyRun(layers=1, use_fp8=False).model.blocks[0]
+    grid = (2, 3, 4)
+    x, e0 = torch.randn(24, 64), torch.randn(1, 6, 64) * 0.1
+    table = dit.rope_table(grid, dit.rope_freqs(block.self_attn.head_dim))
+    context = torch.randn(5, 64)
+    with torch.no_grad():
+        out = block.forward_lean(x.clone(), e0, grid, table, context, None, torch.float32, chunk=8)
+    assert out.shape == (24, 64) and torch.isfinite(out).all()

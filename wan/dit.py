@@ -241,12 +241,12 @@ class WanSelfAttention(nn.Module):
             buf.copy_(make().view(-1, n, d))
 
     def normed_rotated(self, x, freqs, dtype):
-        """(q, k, v) of tokens x with q and k already normed and rotated, each in one kernel (`wan.qk_rope`), where
-        that runs: the compiled runner's RoPE table, outside sequence parallel (which rotates after the exchange
-        of heads); None elsewhere."""
+        """(q, k, v) of tokens x with q and k already normed and rotated, each in one kernel (`wan.qk_rope`),
+        where that runs: the compiled runner's RoPE table, outside sequence parallel (which rotates after the
+        exchange of heads); None elsewhere."""
         if not isinstance(self.norm_q, WanRMSNorm) or parallel.current() is not None:
             return None
-        if not qk_rope.usable(x, freqs):
+        if not qk_rope.usable(x, freqs, self.head_dim):  # x is as wide as q and k
             return None
         n, d = self.num_heads, self.head_dim
         q = qk_rope.norm_rope(self.norm_q, linear(self.q, x, dtype), freqs, dtype).view(-1, n, d)
@@ -258,8 +258,8 @@ class WanSelfAttention(nn.Module):
         out. `keys(k, v)`: the keys and values the queries attend to, given this call's rotated k and v
         (None: themselves, bidirectional; a chunk-causal cache writes them and returns cache + chunk).
         Under sequence parallel (`wan.parallel.current`) q, k, v are the local token slices and this runs on
-        the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers; `rotated`: they
-        already are (`normed_rotated`).
+        the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers; `rotated`:
+        they already are (`normed_rotated`).
 
         Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going straight to
         `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory."""

@@ -1,19 +1,20 @@
-"""Self-attention's queries and keys normed and rotated in one pass (Triton): RMSNorm over the model's width, then
-RoPE per head from the compiled runner's table (`wan.dit.rope_table`).
+"""Self-attention's queries and keys normed and rotated in one pass (Triton): RMSNorm over the model's width,
+then RoPE per head from the compiled runner's table (`wan.dit.rope_table`).
 
-Compiled, inductor fused the norm and the rotation of q and k into one kernel that read each element's pair under
-masks in float64 (93 us a call for a v2 1.3B chunk's 6,032 tokens on an H100, 13.4 ms a steady chunk), and it kept
-the normed values in fp32 where the module rounds them to bf16: its q came out 0.37 % (relative L2) from the eager
-path's. Here one program takes a token: one read of the row in pairs, one write (22 us a call, q and k apart), and
-the roundings are the module's: 99.9998 % of the values equal the eager path's on that shape (BENCHMARKS.md).
+Compiled, inductor fused the norm and the rotation of q and k into one kernel that read each element's pair
+under masks in float64 (93 us a call for a v2 1.3B chunk's 6,032 tokens on an H100, 13.4 ms a steady chunk),
+and it kept the normed values in fp32 where the module rounds them to bf16: its q came out 0.37 % (relative L2)
+from the eager path's. Here one program takes a token: one read of the row in pairs, one write (22 us a call,
+q and k apart), and the roundings are the module's: 99.9998 % of the values equal the eager path's on that
+shape (BENCHMARKS.md).
 
 Same formulas as the unfused eager path (`WanRMSNorm`, then `rope_apply`'s real float64 product): the mean of
-squares in fp32, rsqrt(+ eps), the product rounded to the input's dtype and multiplied by the weight in that dtype;
-the pairs rotated in float64 and rounded to fp32, then to the attention's dtype. The sum of squares is taken in
-another order and rsqrt is Triton's, so a value can move by one rounding of the input's dtype.
+squares in fp32, rsqrt(+ eps), the product rounded to the input's dtype and multiplied by the weight in that
+dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's dtype. The sum of squares is
+taken in another order and rsqrt is Triton's, so a value can move by one rounding of the input's dtype.
 
-Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence parallel
-(`WanSelfAttention.normed_rotated`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
+Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence
+parallel (`WanSelfAttention.normed_rotated`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
 """
 
 import torch
@@ -62,20 +63,24 @@ if triton is not None:
         )
 
 
-def usable(x: torch.Tensor, table: torch.Tensor) -> bool:
-    """Whether `norm_rope` runs for x [tokens, width] and RoPE table [tokens, 1, c, 2] (`rope_table`) here."""
+def usable(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> bool:
+    """Whether `norm_rope` runs here for x [tokens, width] of heads `head_dim` wide and the RoPE table [tokens, 1,
+    head_dim / 2, 2] (`rope_table`)."""
     return (
         enabled
         and triton_runs_on(x)
         and x.dim() == 2
         and x.numel() > 0
-        and x.shape[1] % 2 == 0
+        and head_dim % 2 == 0
+        and x.shape[1] % head_dim == 0
         and x.shape[1] // 2 <= MAX_PAIRS
+        and table.device == x.device
         and not table.is_complex()
         and table.dtype == torch.float64
         and table.dim() == 4
         and table.shape[0] == x.shape[0]
         and table.shape[1] == 1
+        and table.shape[2] * 2 == head_dim
         and table.shape[-1] == 2
     )
 
@@ -85,8 +90,8 @@ def warps(cols: int) -> int:
 
 
 def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tensor:
-    """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x) viewed
-    as [tokens, heads, d] with `table`."""
+    """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x)
+    viewed as [tokens, heads, d] with `table`."""
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape

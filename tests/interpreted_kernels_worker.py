@@ -63,14 +63,15 @@ zero_codes, zero_scale = fp8_gelu.gelu_quantize_rows(torch.zeros(1, 32))
 cases["zero_row"] = {"codes_max": float(zero_codes.float().abs().max()), "scale": float(zero_scale[0])}
 
 
-def rope_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
+def rope_case(dtype, strided: bool = False, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
     """The q/k kernel on x [tokens, heads * d] against WanRMSNorm then `rope_apply` with the compiled table, and a
-    self-attention's forward with and without it (`WanSelfAttention.normed_rotated`)."""
+    self-attention's forward with and without it (`WanSelfAttention.normed_rotated`). `strided`: x is a view whose
+    rows lie further apart than their width."""
     tokens = grid[0] * grid[1] * grid[2]
     attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=3).requires_grad_(False)
     attn.norm_q.weight.data = 1 + 0.3 * torch.randn(heads * d, generator=g)
     table = dit.rope_table(grid, dit.rope_freqs(d))
-    x = (torch.randn(tokens, heads * d, generator=g) * 3).to(dtype)
+    x = (torch.randn(tokens, heads * d + 32 * strided, generator=g) * 3).to(dtype)[:, : heads * d]
     fused = qk_rope.norm_rope(attn.norm_q, x, table, dtype)
     ref = dit.rope_apply(attn.norm_q(x).view(tokens, heads, d), grid, table, dtype).flatten(1)
     ulp = torch.finfo(dtype).eps
@@ -80,7 +81,8 @@ def rope_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> di
         unfused = attn(x, grid, table, dtype)
         qk_rope.enabled = True
     return {
-        "usable": qk_rope.usable(x, table),
+        "usable": qk_rope.usable(x, table, d),
+        "stride": x.stride(0),
         "shape": list(fused.shape),
         "equal": float((fused == ref).float().mean()),
         # the largest difference in units of the largest value's rounding
@@ -109,12 +111,22 @@ usable = {
     "3d": fp8_gelu.usable(torch.empty(1, 2, 64)),
     "no_rows": fp8_gelu.usable(torch.empty(0, 64)),
 }
-rope_cases = {"fp32": rope_case(torch.float32), "bf16": rope_case(torch.bfloat16)}
+# the interpreter casts to fp16 through numpy (to nearest, as a GPU does) but to bf16 toward zero: fp16 shows the
+# roundings, bf16 only roughly
+rope_cases = {
+    "fp32": rope_case(torch.float32),
+    "fp16": rope_case(torch.float16),
+    "fp16_strided": rope_case(torch.float16, strided=True),
+    "bf16": rope_case(torch.bfloat16),
+}
 table, freqs = dit.rope_table((2, 3, 5), dit.rope_freqs(24)), dit.rope_freqs(24)
+zero = qk_rope.norm_rope(dit.WanRMSNorm(96), torch.zeros(30, 96), table, torch.float32)
+rope_cases["zero_rows"] = {"finite": bool(torch.isfinite(zero).all()), "max_abs": float(zero.abs().max())}
 rope_cases["usable"] = {
-    "complex": qk_rope.usable(torch.empty(30, 96), dit.rope_positions((2, 3, 5), freqs)),
-    "other_length": qk_rope.usable(torch.empty(31, 96), table),
-    "3d": qk_rope.usable(torch.empty(30, 4, 24), table),
-    "table": qk_rope.usable(torch.empty(30, 96), table),
+    "complex": qk_rope.usable(torch.empty(30, 96), dit.rope_positions((2, 3, 5), freqs), 24),
+    "other_length": qk_rope.usable(torch.empty(31, 96), table, 24),
+    "3d": qk_rope.usable(torch.empty(30, 4, 24), table, 24),
+    "other_head_dim": qk_rope.usable(torch.empty(30, 96), table, 32),
+    "table": qk_rope.usable(torch.empty(30, 96), table, 24),
 }
 print(json.dumps({"cases": cases, "forward": forward, "usable": usable, "rope_cases": rope_cases}))

@@ -99,7 +99,7 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
 FASTACC = "_fastacc"  # the fp8 linears' fast accumulation (`wan.fp8.accumulation`)
-# the blocks' row kernels off (`wan.fp8_gelu`, `wan.qk_rope`; `row_kernels`): their A/B
+# the blocks' Triton kernels off (`wan.fp8_gelu`, `wan.qk_rope`; `row_kernels`): their A/B
 UNFUSED = "_unfused"
 CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-cam has no cache nor chunks)
 

@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", type=Path, default=None, help="unused (no files are written); for symmetry")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if qk_rope.triton is None or not qk_rope.triton_runs_on(torch.empty(0, device=device)):
+    if not qk_rope.triton_runs_on(torch.empty(0, device=device)):
         need = "Triton" if device.type == "cuda" else "Triton and TRITON_INTERPRET=1 (its interpreter)"
         raise SystemExit(f"bench_qk_rope needs {need} on {device.type}")
     summary = {"bench": "qk_rope", "scale": args.scale, "device": str(device), "torch": torch.__version__}

@@ -65,7 +65,7 @@ cases["zero_row"] = {"codes_max": float(zero_codes.float().abs().max()), "scale"
 
 def rope_case(dtype, strided: bool = False, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
     """The q/k kernel on x [tokens, heads * d] against WanRMSNorm then `rope_apply` with the compiled table, and a
-    self-attention's forward with and without it (`WanSelfAttention.normed_rotated`). `strided`: x is a view whose
+    self-attention's forward with and without it (`WanSelfAttention.rotates_in_norm`). `strided`: x is a view whose
     rows lie further apart than their width."""
     tokens = grid[0] * grid[1] * grid[2]
     attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=3).requires_grad_(False)

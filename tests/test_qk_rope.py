@@ -40,16 +40,20 @@ def test_only_compiled_blocks_outside_sequence_parallel_take_the_kernel(monkeypa
     x, grid = torch.randn(24, 64), (2, 3, 4)
     freqs = dit.rope_freqs(attn.head_dim)
     table = dit.rope_table(grid, freqs)
-    assert attn.normed_rotated(x, freqs, torch.float32) is None  # complex: eager
+    assert not attn.rotates_in_norm(x, freqs)  # complex: eager
     monkeypatch.setattr(parallel, "current", lambda: object())
-    assert attn.normed_rotated(x, table, torch.float32) is None
+    assert not attn.rotates_in_norm(x, table)
     monkeypatch.setattr(parallel, "current", lambda: None)
     plain = dit.WanSelfAttention(64, attn.num_heads, qk_norm=False)
-    assert plain.normed_rotated(x, table, torch.float32) is None
+    assert not plain.rotates_in_norm(x, table)
     assert calls == []
-    q, k, v = attn.normed_rotated(x, table, torch.float32)
+    assert attn.rotates_in_norm(x, table)
+    q, k, v = attn.qkv(x, torch.float32, rope=table)
     assert calls == [attn.norm_q, attn.norm_k]
     assert q.shape == k.shape == v.shape == (24, attn.num_heads, attn.head_dim)
+    calls.clear()
+    attn(x, grid, table, torch.float32)  # the forward takes the kernel
+    assert calls == [attn.norm_q, attn.norm_k]
 
 
 def test_lean_blocks_rotate_in_place_without_the_kernel(monkeypatch):

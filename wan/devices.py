@@ -1,10 +1,21 @@
-"""Where an optional kernel can run: the checks of `fp8`, `fp8_attention` and `fa3_attention` share this, and
-the optional kernel packages' modules, imported once."""
+"""Where an optional kernel can run: the checks of `fp8`, `fp8_attention` and `fa3_attention` share this, the
+optional kernel packages' modules, imported once, and whether the blocks' Triton kernels (`fp8_gelu`, `qk_rope`)
+can take a tensor."""
 
 import importlib
+import os
 from collections.abc import Callable
 
 import torch
+
+try:
+    import triton
+except (
+    Exception
+):  # no Triton, or a broken install (it must not stop the pack from loading): the unfused paths
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def cuda_index(device) -> int:
@@ -20,6 +31,11 @@ def card_problem(device, off_card: Callable[[str], str], on_card: Callable[[int]
     if device.type != "cuda":
         return off_card(device.type)
     return on_card(cuda_index(device))
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether this process's Triton kernels can take tensor t: on CUDA, or anywhere under its interpreter."""
+    return triton is not None and (t.is_cuda or _INTERPRET)
 
 
 _imported: dict = {}  # optional kernel packages' modules, by name (`kept_import`)

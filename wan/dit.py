@@ -225,14 +225,19 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def qkv(self, x, dtype, out=None):
+    def qkv(self, x, dtype, out=None, rope=None):
         """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`.
         `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
-        at a time: the lean blocks)."""
+        at a time: the lean blocks). `rope`: the compiled runner's RoPE table, to rotate q and k by in their
+        norm's kernel (`wan.qk_rope`, where `rotates_in_norm`)."""
         n, d = self.num_heads, self.head_dim
+
+        def normed(norm, t):
+            return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, dtype)
+
         makers = (
-            lambda: self.norm_q(linear(self.q, x, dtype)),
-            lambda: self.norm_k(linear(self.k, x, dtype)),
+            lambda: normed(self.norm_q, linear(self.q, x, dtype)),
+            lambda: normed(self.norm_k, linear(self.k, x, dtype)),
             lambda: linear(self.v, x, dtype),
         )
         if out is None:
@@ -240,18 +245,14 @@ class WanSelfAttention(nn.Module):
         for buf, make in zip(out, makers, strict=True):
             buf.copy_(make().view(-1, n, d))
 
-    def normed_rotated(self, x, freqs, dtype):
-        """(q, k, v) of tokens x with q and k already normed and rotated, each in one kernel (`wan.qk_rope`),
-        where that runs: the compiled runner's RoPE table, outside sequence parallel (which rotates after the
-        exchange of heads); None elsewhere."""
-        if not isinstance(self.norm_q, WanRMSNorm) or parallel.current() is not None:
-            return None
-        if not qk_rope.usable(x, freqs, self.head_dim):  # x is as wide as q and k
-            return None
-        n, d = self.num_heads, self.head_dim
-        q = qk_rope.norm_rope(self.norm_q, linear(self.q, x, dtype), freqs, dtype).view(-1, n, d)
-        k = qk_rope.norm_rope(self.norm_k, linear(self.k, x, dtype), freqs, dtype).view(-1, n, d)
-        return q, k, linear(self.v, x, dtype).view(-1, n, d)
+    def rotates_in_norm(self, x, freqs) -> bool:
+        """Whether q and k of tokens x are rotated by their norm's kernel (`wan.qk_rope`, `qkv`'s `rope`): with
+        the compiled runner's RoPE table, outside sequence parallel (which rotates after the exchange of heads)."""
+        return (
+            isinstance(self.norm_q, WanRMSNorm)
+            and parallel.current() is None
+            and qk_rope.usable(x, freqs, self.head_dim)  # x is as wide as q and k
+        )
 
     def attend(self, q, k, v, grid, freqs, dtype, keys=None, in_place=False, rotated=False):
         """RoPE on q and k, then attention of q over the keys: [L, heads, head_dim] in, the attention output
@@ -259,7 +260,7 @@ class WanSelfAttention(nn.Module):
         (None: themselves, bidirectional; a chunk-causal cache writes them and returns cache + chunk).
         Under sequence parallel (`wan.parallel.current`) q, k, v are the local token slices and this runs on
         the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers; `rotated`:
-        they already are (`normed_rotated`).
+        they already are (`qkv`'s `rope`).
 
         Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going straight to
         `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory."""
@@ -276,10 +277,10 @@ class WanSelfAttention(nn.Module):
         return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
 
     def forward(self, x, grid, freqs, dtype, keys=None):
-        rotated = self.normed_rotated(x, freqs, dtype)
-        q, k, v = rotated if rotated is not None else self.qkv(x, dtype)
-        out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated is not None)
-        del q, k, v, rotated
+        rotated = self.rotates_in_norm(x, freqs)
+        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None)
+        out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated)
+        del q, k, v
         return linear(self.o, out.flatten(1), dtype)
 
 

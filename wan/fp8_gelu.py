@@ -18,24 +18,15 @@ Used on CUDA where Triton is installed (torch.compile traces the kernel as it is
 Under TRITON_INTERPRET=1 it also runs on CPU tensors (the tests; the interpreter casts to e4m3 its own way).
 """
 
-import os
-
 import torch
 
-try:
-    import triton
+from .devices import triton, triton_runs_on
+
+if triton is not None:
     import triton.language as tl
-except Exception:  # no Triton, or a broken install (it must not stop the pack from loading): the unfused path
-    triton = None
 
 MAX_COLS = 16384  # a row lives in one program's registers; wider rows take the unfused path
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
-
-
-def triton_runs_on(t: torch.Tensor) -> bool:
-    """Whether this process's Triton kernels can take tensor t: on CUDA, or anywhere under its interpreter."""
-    return triton is not None and (t.is_cuda or _INTERPRET)
 
 
 def usable(h: torch.Tensor) -> bool:

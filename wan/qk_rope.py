@@ -14,13 +14,13 @@ dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's
 taken in another order and rsqrt is Triton's, so a value can move by one rounding of the input's dtype.
 
 Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence
-parallel (`WanSelfAttention.normed_rotated`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
+parallel (`WanSelfAttention.rotates_in_norm`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
 """
 
 import torch
 from torch import nn
 
-from .fp8_gelu import triton, triton_runs_on
+from .devices import triton, triton_runs_on
 
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
 MAX_PAIRS = 8192  # a row's pairs live in one program's registers

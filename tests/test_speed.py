@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from helpers import counting_blocks, fake_module
 from lingbot_world.loaders.synthetic import tiny_config
-from lingbot_world.wan import attention, i2v, pipeline, schedulers, speed
+from lingbot_world.wan import attention, fast, i2v, pipeline, schedulers, speed
 from lingbot_world.wan.config import SampleConfig
 from lingbot_world.wan.dit import WanModel, init_random_
 from lingbot_world.wan.speed import SpeedOptions, SpeedStats
@@ -239,6 +239,38 @@ def test_compiled_blocks_trace_once_for_all_blocks_steps_and_experts():
             model.block_runner = None
     # 2 experts x 4 blocks x 7 calls: two graphs, bf16 residual stream into block 0 and fp32 after
     assert len(graphs) == 2
+
+
+def test_a_deferring_runner_hands_each_ffn_update_to_the_next_block():
+    """A runner that `defers` (the chunk loop's) gets each block's FFN update back un-added and hands it to the
+    next block, which adds it first (inside its own graph, where the norm after it fuses with it); the last one
+    is added after the loop. The forward is the same bit for bit; a runner without `defers` (the bidirectional
+    one, whose long sequences would keep the update alive through the next block) gets the plain arguments."""
+    inp = Inputs(layers=3)
+    model = inp.models["low"]
+    args = (inp.noise, torch.tensor([700]), inp.context, None)
+    seen = []
+
+    def deferring(block, *a, **deferral):
+        seen.append(deferral)
+        return block(*a, **deferral)
+
+    deferring.defers = True
+    plain = []
+    with torch.no_grad():
+        eager = model(*args, y=inp.y, cam=inp.cam)
+        try:
+            model.block_runner = deferring
+            deferred = model(*args, y=inp.y, cam=inp.cam)
+            model.block_runner = lambda block, *a, **kw: plain.append(kw) or block(*a, **kw)
+            undeferred = model(*args, y=inp.y, cam=inp.cam)
+        finally:
+            model.block_runner = None
+    assert torch.equal(deferred, eager) and torch.equal(undeferred, eager)
+    assert [d["defer"] for d in seen] == [True] * 3 and seen[0]["pending"] is None
+    assert all(isinstance(d["pending"], tuple) and len(d["pending"]) == 2 for d in seen[1:])
+    assert plain == [{}] * 3
+    assert fast.ChunkBlocks.defers and not hasattr(speed.CompiledBlocks, "defers")
 
 
 def test_compiled_sampling_loop_traces_once_and_leaves_experts_plain(inputs, monkeypatch):

@@ -544,10 +544,11 @@ def test_compiled_decoder_equals_eager(tiny):
     assert torch.equal(torch.cat(pieces, dim=1), out)
 
 
-def test_tap_conv_equals_the_3d_conv_and_keeps_its_layout():
+def test_tap_conv_equals_the_3d_conv_and_keeps_its_layout(monkeypatch):
     """The fast decoder's per-time-tap conv (`_tap_conv`): on a channels-last input with fewer than
-    TAP_CONV_BELOW channels it is three 2-D convs that equal the 3-D conv up to fp32 rounding and come out
-    channels-last-3d; wider or contiguous inputs take the 3-D conv itself."""
+    TAP_CONV_BELOW channels it is one 2-D conv over the three time taps' frames side by side in the channels,
+    equal to the 3-D conv up to fp32 rounding and channels-last-3d; wider or contiguous inputs take the 3-D
+    conv itself."""
     import torch.nn.functional as F
 
     g = _gen(41)
@@ -555,7 +556,13 @@ def test_tap_conv_equals_the_3d_conv_and_keeps_its_layout():
     w = torch.randn(8, 8, 3, 3, 3, generator=g).contiguous(memory_format=torch.channels_last_3d)
     b = torch.randn(8, generator=g)
     ref = F.conv3d(x, w, b, padding=(0, 1, 1))
+    calls = []
+    conv2d = F.conv2d
+    monkeypatch.setattr(
+        V.F, "conv2d", lambda *a, **k: calls.append((a[0].shape, a[1].shape)) or conv2d(*a, **k)
+    )
     out = V._tap_conv(x, w, b)
+    assert calls == [((3, 24, 6, 7), (8, 24, 3, 3))]  # one conv: 3 output frames, 3 taps x 8 channels in
     assert out.shape == ref.shape == (1, 8, 3, 6, 7) and _rel(out, ref) <= 1e-6
     assert out.stride() == (8 * 3 * 6 * 7, 1, 6 * 7 * 8, 7 * 8, 8) and not torch.equal(out, ref)
     assert torch.equal(V._tap_conv(x.contiguous(), w, b), F.conv3d(x.contiguous(), w, b, padding=(0, 1, 1)))
@@ -566,9 +573,10 @@ def test_tap_conv_equals_the_3d_conv_and_keeps_its_layout():
 
 
 def test_a_narrow_residual_step_runs_both_convs_per_tap_and_keeps_canonical_strides(monkeypatch):
-    """Both convs of a channels-last residual block under TAP_CONV_BELOW channels go per time tap (the second
-    conv's input, made from the first's output, stays channels-last), and the output and both new caches have
-    channels-last-3d's strides, so the compiled decoder's `_canonical` copies none of them."""
+    """Both convs of a channels-last residual block under TAP_CONV_BELOW channels go over their stacked time taps,
+    not through a 3-D conv (the second conv's input, made from the first's output, stays channels-last), and the
+    output and both new caches have channels-last-3d's strides, so the compiled decoder's `_canonical` copies
+    none of them."""
     import torch.nn.functional as F
 
     calls = []
@@ -594,3 +602,33 @@ def test_a_narrow_residual_step_runs_both_convs_per_tap_and_keeps_canonical_stri
 
     assert y.shape == x.shape and n1.shape == n2.shape == (1, c, 2, h, w)
     assert canonical(y) and canonical(n1) and canonical(n2)
+
+
+def test_a_full_sub_chunk_keeps_its_frames_as_the_cache_and_views_are_not_copied():
+    """With exactly CACHE_T new frames, `_causal_pad`'s next cache is those frames themselves (no copy), equal to
+    the padded input's last CACHE_T; with fewer it is a dense copy. `DecoderLevers._canonical` gives a
+    sub-chunk's view (strides off only in its size-1 batch dim) channels-last-3d's strides without a copy, and
+    still copies a tensor in another layout."""
+    g = _gen(47)
+    cl = torch.channels_last_3d
+    cache = torch.randn(1, 4, 2, 3, 5, generator=g).contiguous(memory_format=cl)
+    x = torch.randn(1, 4, 2, 3, 5, generator=g).contiguous(memory_format=cl)
+    padded, nxt = V._causal_pad(x, cache)
+    assert nxt is x and torch.equal(padded[:, :, -V.CACHE_T :], nxt) and padded.shape[2] == 4
+    one = x[:, :, :1].contiguous(memory_format=cl)
+    padded, nxt = V._causal_pad(one, cache)
+    assert nxt.data_ptr() != padded.data_ptr() and torch.equal(nxt, padded[:, :, -V.CACHE_T :])
+    assert torch.equal(nxt, torch.cat([cache[:, :, 1:], one], dim=2))
+
+    levers = V.DecoderLevers.__new__(V.DecoderLevers)
+    levers.fmt = cl
+    whole = torch.randn(1, 4, 6, 3, 5, generator=g).contiguous(memory_format=cl)
+    view = whole[:, :, 2:4]
+    assert view.stride()[0] != 4 * 2 * 3 * 5  # the view's batch stride is the whole tensor's
+    out = levers._canonical(view)
+    assert out.data_ptr() == view.data_ptr() and torch.equal(out, view)
+    assert out.stride() == (4 * 2 * 3 * 5, 1, 3 * 5 * 4, 5 * 4, 4)
+    dense = torch.randn(1, 4, 2, 3, 5, generator=g)  # contiguous, not channels-last: copied
+    copied = levers._canonical(dense)
+    assert copied.data_ptr() != dense.data_ptr() and torch.equal(copied, dense)
+    assert copied.stride() == out.stride()

@@ -327,6 +327,11 @@ class Bidirectional:
 BIDIRECTIONAL = Bidirectional()
 
 
+def add_update(x: torch.Tensor, update: tuple) -> torch.Tensor:
+    """x plus a block's FFN update (its output, its gate): what each block adds to the residual last."""
+    return x + update[0] * update[1]
+
+
 class WanAttentionBlock(nn.Module):
     def __init__(self, dim, ffn_dim, num_heads, qk_norm, cross_attn_norm, eps, camera: bool):
         super().__init__()
@@ -345,9 +350,18 @@ class WanAttentionBlock(nn.Module):
             self.cam_scale_layer = nn.Linear(dim, dim)
             self.cam_shift_layer = nn.Linear(dim, dim)
 
-    def forward(self, x, e0, grid, freqs, context, cam, dtype, layer=0, kv=BIDIRECTIONAL):
+    def forward(
+        self, x, e0, grid, freqs, context, cam, dtype, layer=0, kv=BIDIRECTIONAL, pending=None, defer=False
+    ):
         """x: [L, C] (bf16 into block 0, fp32 after); e0: [1, 6, C] fp32; cam: [L, C] or None. `layer`: this
-        block's index, `kv`: the keys its attention reads (`Bidirectional`, or a chunk-causal cache)."""
+        block's index, `kv`: the keys its attention reads (`Bidirectional`, or a chunk-causal cache).
+
+        The chunk loop's compiled blocks pass the FFN's update on to the next block (`defer`: returns (x, (FFN
+        output, its gate)) without adding it; `pending`: that pair from the block before, added to x first), so it
+        lands in the graph that norms x next and one pass over the fp32 residual fuses both. Same operations, same
+        order."""
+        if pending is not None:
+            x = add_update(x, pending)
         e = self.modulation_vectors(e0)
         y = self.self_attn(
             self.attention_input(x, e), grid, freqs, dtype, functools.partial(kv.self_kv, layer)
@@ -360,7 +374,8 @@ class WanAttentionBlock(nn.Module):
         x = x + self.cross_attn.attend(
             self.norm3(x), *kv.text_kv(layer, self.cross_attn, context, dtype), dtype
         )
-        return x + self.ffn_output(x, e, dtype)
+        update = self.feed_forward(self.ffn_input(x, e), dtype), e[5]
+        return (x, update) if defer else add_update(x, update)
 
     def modulation_vectors(self, e0):
         """The block's six [C] fp32 modulation vectors (shift, scale, gate of attention; then of the FFN)."""
@@ -375,9 +390,12 @@ class WanAttentionBlock(nn.Module):
         h = linear(self.cam_injector_layer2, F.silu(h), dtype) + cam
         return linear(self.cam_scale_layer, h, dtype), linear(self.cam_shift_layer, h, dtype)
 
+    def ffn_input(self, x, e):
+        return self.norm2(x).float() * (1 + e[4]) + e[3]
+
     def ffn_output(self, x, e, dtype):
         """norm2, modulation, the FFN and its gate: what the block adds to x last."""
-        return self.feed_forward(self.norm2(x).float() * (1 + e[4]) + e[3], dtype) * e[5]
+        return self.feed_forward(self.ffn_input(x, e), dtype) * e[5]
 
     def forward_lean(
         self, x, e0, grid, freqs, context, cam, dtype, chunk: int = LEAN_CHUNK, layer=0, kv=BIDIRECTIONAL
@@ -699,6 +717,8 @@ class WanModel(nn.Module):
             cam_tokens = None if cam_tokens is None else sp.split(cam_tokens)
         # the bidirectional blocks take today's arguments (one compiled graph for all blocks); others add theirs
         extra = (lambda i: ()) if kv is BIDIRECTIONAL else (lambda i: (i, kv))
+        # a runner that `defers` (the chunk loop's compiled one) hands each block's FFN update to the next block
+        defer, pending = run is not None and getattr(run, "defers", False), None
         with parallel.use(sp):  # read by WanSelfAttention
             try:
                 for i, block in enumerate(self.blocks):
@@ -709,12 +729,16 @@ class WanModel(nn.Module):
                     elif run is None:
                         x = block(x, e0, grid, rope, context, cam_tokens, dtype, *extra(i))
                     else:
-                        x = run(block, x, e0, grid, rope, context, cam_tokens, dtype, *extra(i))
+                        deferral = {"pending": pending, "defer": True} if defer else {}
+                        out = run(block, x, e0, grid, rope, context, cam_tokens, dtype, *extra(i), **deferral)
+                        x, pending = out if defer else (out, None)
                     if swap is not None:
                         swap.after(i)
             finally:
                 if swap is not None:
                     swap.finish()  # an error or interrupt mid-forward leaves no swapped block on the device
+        if pending is not None:  # the last block's FFN update: no block follows to take it
+            x, pending = add_update(x, pending), None
         if lean:
             cam_tokens = None  # its last use was the last block: not held through the head
             x = self.head_lean(x, e, chunk)

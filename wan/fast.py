@@ -355,6 +355,10 @@ class ChunkBlocks:
     with them, runs them from the second chunk through a second one, of `speed.run_growing_chunk_block`, whose
     two graphs take the cache's placement as symbols."""
 
+    # each block hands its FFN update to the next block's graph (`WanAttentionBlock.forward`'s `defer`); the
+    # bidirectional runner does not: its update would stay alive through the next block, [L, dim] more at peak
+    defers = True
+
     def __init__(self, blocks):
         self.blocks = blocks
 
@@ -362,9 +366,9 @@ class ChunkBlocks:
     def failed(self) -> bool:
         return self.blocks.failed
 
-    def __call__(self, block, *args):
+    def __call__(self, block, *args, **deferral):
         *args, layer, kv = args
-        return self.blocks(block, *args, kv.layer(layer))
+        return self.blocks(block, *args, kv.layer(layer), **deferral)
 
 
 class ForwardGraph:

@@ -150,16 +150,16 @@ def run_block(block, *args):
     return block(*args)
 
 
-def run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys):
+def run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys, **deferral):
     """The chunk loop's compiled function (its own graphs and recompile budget): a DiT block with one block's
     chunk-causal keys (`wan.fast.LayerKeys`, which reads no layer index)."""
-    return block(x, e0, grid, freqs, context, cam, dtype, 0, keys)
+    return block(x, e0, grid, freqs, context, cam, dtype, 0, keys, **deferral)
 
 
-def run_growing_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys):
+def run_growing_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys, **deferral):
     """`run_chunk_block` for the chunks before the attention window is full, whose key lengths grow chunk by
     chunk: compiled with the cache's placement as symbols (dynamic shapes), so one set of graphs serves them all."""
-    return run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys)
+    return run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys, **deferral)
 
 
 def run_camera(block, cam, dtype):
@@ -206,11 +206,11 @@ class CompiledBlocks:
         config = torch._dynamo.config
         self._limit_name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
-    def __call__(self, block, *args):
+    def __call__(self, block, *args, **deferral):
         if not self.failed:
             try:
                 with torch._dynamo.config.patch(self._limit_name, RECOMPILE_LIMIT):
-                    return self.compiled(block, *args)
+                    return self.compiled(block, *args, **deferral)
             except torch._dynamo.exc.BackendCompilerFailed as err:
                 self.failed = True
                 cause = getattr(err, "inner_exception", None) or err
@@ -221,7 +221,7 @@ class CompiledBlocks:
                     text[:300],
                     self.what,
                 )
-        return self.fn(block, *args)
+        return self.fn(block, *args, **deferral)
 
 
 _shared_runners: dict = {}  # the compiled function (`run_block`, `run_chunk_block`, ...) -> its shared runner

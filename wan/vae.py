@@ -403,27 +403,33 @@ def _fused_norm_silu(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
 
 
 def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists."""
-    x = torch.cat([cache, x], dim=2)
-    return x, x[:, :, -CACHE_T:].clone(memory_format=_format(x))  # dense: the next call takes it as it is
+    """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists. With exactly
+    CACHE_T new frames (every sub-chunk past the temporal upsamples) the next cache is x itself, not a copy."""
+    padded = torch.cat([cache, x], dim=2)
+    if x.shape[2] == CACHE_T:
+        return padded, x
+    # dense: the next call takes it as it is
+    return padded, padded[:, :, -CACHE_T:].clone(memory_format=_format(padded))
 
 
-TAP_CONV_BELOW = 128  # residual convs with fewer channels run as one 2-D conv per time tap (`_tap_conv`)
+# residual convs with fewer channels run as one 2-D conv over their time taps (`_tap_conv`)
+TAP_CONV_BELOW = 128
 
 
 def _tap_conv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """A residual block's 3x3x3 conv (padding 0, 1, 1) on its causally padded input [1, c, t+2, H, W]. cuDNN's
-    3-D kernels are slow at the full-resolution stage's 96 channels (an H100 took 1.8 ms per 2 frames at
-    464x832), while three 2-D convs, one per time tap over the frames as a batch, summed, took 1.3 ms, so a
-    channels-last input with fewer than TAP_CONV_BELOW channels goes that way. Equal up to rounding."""
+    3-D kernels are slow at the full-resolution stage's 96 channels: an H100 took 1.90 ms per 2 frames at
+    464x832, three 2-D convs, one per time tap, summed, 1.42 ms, and one 2-D conv over the three taps' frames
+    side by side in the channels (3c in, the taps' weights likewise) 1.05 ms. So a channels-last input with fewer
+    than TAP_CONV_BELOW channels goes that way: one GEMM, one rounding. Equal up to rounding."""
     c = w.shape[0]
     if c >= TAP_CONV_BELOW or c != w.shape[1] or h.stride(1) != 1:
         return F.conv3d(h, w, b, padding=(0, 1, 1))
     frames = h[0].transpose(0, 1)  # [t+2, c, H, W], channels-last
     t = frames.shape[0] - 2
-    y = F.conv2d(frames[:t], w[:, :, 0], b, padding=1)
-    for k in (1, 2):
-        y = y + F.conv2d(frames[k : k + t], w[:, :, k], None, padding=1)
+    taps = torch.cat([frames[k : k + t] for k in range(3)], dim=1)  # [t, 3c, H, W]: output frame j's inputs
+    weight = torch.cat(w.unbind(2), dim=1).contiguous(memory_format=torch.channels_last)  # [c, 3c, 3, 3]
+    y = F.conv2d(taps, weight, b, padding=1)
     return y.unsqueeze(0).transpose(1, 2)  # [1, c, t, H, W] with channels-last-3d's strides, dim 0's included
 
 
@@ -485,12 +491,12 @@ class DecoderLevers:
     compile: the residual blocks, the upsamples and the head run as torch.compile'd pure functions of their
     input, causal caches and weights that return the new caches (`_residual_step`, `_upsample_step`,
     `_head_step`): each RMS norm + SiLU (in fp32) and the cache concatenation become one pass before the
-    conv instead of about seven; with channels-last weights the full-resolution stage's convs run per time tap
-    (`_tap_conv`). A stream's first latent frame (no caches yet, 1 frame per stage) runs
-    eagerly; from the second on every call has the same shapes and strides (one graph per block shape and
-    frame size, about 10, compiled during the first chunk, none after). The upsamples then run all of a
-    sub-chunk's frames at once instead of frame by frame (without subpixel, the 2x input of 2 frames instead
-    of 1 at a time).
+    conv instead of about seven; with channels-last weights the full-resolution stage's convs run as one 2-D
+    conv over their time taps stacked in the channels (`_tap_conv`). A stream's first latent frame (no caches
+    yet, 1 frame per stage) runs eagerly; from the second on every call has the same shapes and strides (one
+    graph per block shape and frame size, about 10, compiled during the first chunk, none after). The
+    upsamples then run all of a sub-chunk's frames at once instead of frame by frame (without subpixel, the
+    2x input of 2 frames instead of 1 at a time).
     """
 
     def __init__(self, decoder: Decoder3d, source: Decoder3d | None, runner):
@@ -521,7 +527,12 @@ class DecoderLevers:
         n, c, t, h, w = a.shape
         cl = self.fmt == torch.channels_last_3d
         want = (c * t * h * w, 1, h * w * c, w * c, c) if cl else (c * t * h * w, t * h * w, h * w, w, 1)
-        return a if a.stride() == want else a.clone(memory_format=self.fmt)
+        if a.stride() == want:
+            return a
+        if all(s == z or size == 1 for s, z, size in zip(a.stride(), want, a.shape, strict=True)):
+            # a sub-chunk's view, off only in size-1 dims: the same elements, no copy
+            return a.as_strided(a.shape, want)
+        return a.clone(memory_format=self.fmt)
 
     def __call__(self, layer: nn.Module, x: torch.Tensor, cache: Cache) -> torch.Tensor:
         if isinstance(layer, ResidualBlock):

@@ -8,11 +8,10 @@ from collections.abc import Callable
 
 import torch
 
+# no Triton, or a broken install (it must not stop the pack from loading): the unfused paths
 try:
     import triton
-except (
-    Exception
-):  # no Triton, or a broken install (it must not stop the pack from loading): the unfused paths
+except Exception:
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -29,6 +29,17 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _normed(v, rstd, w_ptrs, mask, x_row):
+        """RMSNorm of the first (or second) elements of a row's pairs: (v * rstd) in x's dtype, times the weight
+        in x's dtype (an exact product, rounded once); in float64 for the rotation."""
+        w = tl.load(w_ptrs, mask=mask, other=0.0).to(x_row.dtype.element_ty).to(tl.float32)
+        return (
+            ((v * rstd).to(x_row.dtype.element_ty).to(tl.float32) * w)
+            .to(x_row.dtype.element_ty)
+            .to(tl.float64)
+        )
+
+    @triton.jit
     def _rms_rope_rows(
         x_ptr, w_ptr, table_ptr, out_ptr, cols, x_stride, eps, HALF: tl.constexpr, PAIRS: tl.constexpr
     ):
@@ -41,19 +52,8 @@ if triton is not None:
         a = tl.load(x_row + 2 * j, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(x_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(a * a + b * b, axis=0) / cols + eps)
-        wa = tl.load(w_ptr + 2 * j, mask=mask, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
-        wb = tl.load(w_ptr + 2 * j + 1, mask=mask, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)
-        # RMSNorm: (x * rstd) in x's dtype, times the weight in x's dtype (an exact product, rounded once)
-        a = (
-            ((a * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wa)
-            .to(x_ptr.dtype.element_ty)
-            .to(tl.float64)
-        )
-        b = (
-            ((b * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * wb)
-            .to(x_ptr.dtype.element_ty)
-            .to(tl.float64)
-        )
+        a = _normed(a, rstd, w_ptr + 2 * j, mask, x_row)
+        b = _normed(b, rstd, w_ptr + 2 * j + 1, mask, x_row)
         c = j % HALF  # the pair's frequency within its head
         cos = tl.load(table_row + 2 * c, mask=mask, other=0.0)
         sin = tl.load(table_row + 2 * c + 1, mask=mask, other=0.0)

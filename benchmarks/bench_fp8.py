@@ -29,7 +29,8 @@ a loaded expert holds them), then their blocks' Linears are quantized in place a
   `attention='fp8'` / `'fa3'` / `'fa3_fp8'` as well; their floor counts that backend's kernel in place of SDPA's.
 - ``*_cams`` (chunk loops): the kept camera injections; ``*_fastacc``: the fp8 linears' fast accumulation
   (`wan.fp8.accumulation`), its floor's scaled matmuls accumulating fast too; ``*_unfused``: the blocks' Triton
-  kernels off (`wan.fp8_gelu`'s GELU + quantization, `wan.qk_rope`'s q/k norm + RoPE), left to inductor (every
+  kernels off (`wan.fp8_gelu`'s GELU + quantization, `wan.qk_rope`'s q/k norm + RoPE, `wan.fp8_inputs`' norms +
+  quantization), left to inductor (every
   other path on CUDA takes them where they apply), the same floor.
 - ``--profile PATH ...`` (chunk loops): one more chunk after the timed ones under torch.profiler, its top 40
   device kernels by time (``kernels``: name, ms, calls): where the chunk's time goes beside its floor.
@@ -60,7 +61,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_speed import SHAPES, Step, kernel_floor, kernel_profile, rel_error, run_case, sync, timed  # noqa: E402
 from lingbot_world.loaders import synthetic  # noqa: E402
-from lingbot_world.wan import attention, fa3_attention, fp8, fp8_attention, fp8_gelu, qk_rope, speed  # noqa: E402
+from lingbot_world.wan import (  # noqa: E402
+    attention,
+    fa3_attention,
+    fp8,
+    fp8_attention,
+    fp8_gelu,
+    fp8_inputs,
+    qk_rope,
+    speed,
+)
 from lingbot_world.wan.config import A14B, CHUNKED_KINDS, CONTROL_CHANNELS  # noqa: E402
 from lingbot_world.wan.dit import WanModel  # noqa: E402
 from lingbot_world.wan.fast import FastConfig, FastSession  # noqa: E402
@@ -99,14 +109,14 @@ PATHS = (  # in this order: the bf16 paths before the first fp8 one quantizes th
 ATTENTION_TAGS = {"_fp8attn": "fp8", "_fa3attn": "fa3", "_fa3fp8attn": "fa3_fp8"}
 CAMS = "_cams"  # the chunk loops' kept camera injections (`camera_cached`)
 FASTACC = "_fastacc"  # the fp8 linears' fast accumulation (`wan.fp8.accumulation`)
-# the blocks' Triton kernels off (`wan.fp8_gelu`, `wan.qk_rope`; `row_kernels`): their A/B
+# the blocks' Triton kernels off (`wan.fp8_gelu`, `wan.qk_rope`, `wan.fp8_inputs`; `row_kernels`): their A/B
 UNFUSED = "_unfused"
 CHUNK_ONLY = ("_kv8", "_nograph", CAMS)  # paths of the chunk loops alone (base-cam has no cache nor chunks)
 
 
 def row_kernels(on: bool) -> None:
     """The blocks' Triton kernels on or off (read when a block is traced: a change recompiles)."""
-    fp8_gelu.enabled = qk_rope.enabled = on
+    fp8_gelu.enabled = qk_rope.enabled = fp8_inputs.enabled = on
 
 
 def path_options(name: str) -> dict:

@@ -110,22 +110,45 @@ def case(rows: int, cols: int, repeats: int, device: torch.device) -> dict:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def kernel_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every Triton kernel benchmark takes (--scale, --workdir, --repeats)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--scale", choices=["tiny", "full"], default="tiny")
     ap.add_argument("--workdir", type=Path, default=None, help="unused (no files are written); for symmetry")
-    ap.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS (default: the scale's shapes)")
     ap.add_argument("--repeats", type=int, default=None, help="calls timed per way (default 50; tiny 3)")
-    args = ap.parse_args()
+    return ap
+
+
+def kernel_setup(args, bench: str, usable) -> tuple[torch.device, int, dict] | None:
+    """(device, repeats, the result's header) of a kernel benchmark at `args.scale`: CUDA at full scale, the CPU
+    through Triton's interpreter at tiny; None after one message when `usable(tensor)` says it cannot run there."""
     device = torch.device("cuda" if args.scale == "full" else "cpu")
     if args.scale == "full" and not torch.cuda.is_available():
-        print("bench_fp8_gelu: --scale full needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if not fp8_gelu.usable(torch.empty(1, 16, device=device)):
+        print(f"{bench}: --scale full needs a CUDA GPU", file=sys.stderr)
+        return None
+    if not usable(torch.empty(1, 16, device=device)):
         need = "Triton" if device.type == "cuda" else "Triton and TRITON_INTERPRET=1 (its interpreter)"
-        print(f"bench_fp8_gelu: the kernel needs {need} here", file=sys.stderr)
-        return 2
+        print(f"{bench}: the kernel needs {need} here", file=sys.stderr)
+        return None
     repeats = args.repeats or (50 if args.scale == "full" else 3)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton's interpreter)"
+    header = {
+        "bench": bench.removeprefix("bench_"),
+        "scale": args.scale,
+        "device": name,
+        "torch": torch.__version__,
+    }
+    return device, repeats, header
+
+
+def main() -> int:
+    ap = kernel_parser(__doc__)
+    ap.add_argument("--shapes", nargs="*", default=None, help="ROWSxCOLS (default: the scale's shapes)")
+    args = ap.parse_args()
+    setup = kernel_setup(args, "bench_fp8_gelu", fp8_gelu.usable)
+    if setup is None:
+        return 2
+    device, repeats, result = setup
     shapes = SHAPES[args.scale]
     if args.shapes:
         try:
@@ -136,8 +159,6 @@ def main() -> int:
                 file=sys.stderr,
             )
             return 2
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton's interpreter)"
-    result = {"bench": "fp8_gelu", "scale": args.scale, "device": name, "torch": torch.__version__}
     for name, (rows, cols) in shapes.items():
         result[name] = case(rows, cols, repeats, device)
         print(f"{name}: {result[name]}", file=sys.stderr)

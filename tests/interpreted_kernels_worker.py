@@ -1,8 +1,9 @@
-"""Run for tests/test_fp8_gelu.py and tests/test_qk_rope.py (conftest's `interpreted_kernels`) under
+"""Run for tests/test_fp8_gelu.py, tests/test_qk_rope.py and tests/test_fp8_inputs.py (conftest's `interpreted_kernels`) under
 TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set before Triton is imported, hence a process
 of its own): the fused GELU + e4m3 kernel (`wan.fp8_gelu`) against the unfused path, alone and inside a tiny fp8
 model's forward; the q/k RMSNorm + RoPE kernel (`wan.qk_rope`) against the norm and `rope_apply`, alone and in a
-self-attention's forward. Prints one JSON line of measurements; the tests judge them."""
+self-attention's forward; the blocks' update + norm + e4m3 kernel and the row quantization (`wan.fp8_inputs`) against
+the unfused path, alone and in a forward. Prints one JSON line of measurements; the tests judge them."""
 
 import json
 import sys
@@ -18,7 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helpers import TinyRun  # noqa: E402
-from lingbot_world.wan import dit, fp8, fp8_gelu, qk_rope  # noqa: E402
+from lingbot_world.wan import dit, fp8, fp8_gelu, fp8_inputs, qk_rope  # noqa: E402
 
 
 @triton.jit
@@ -99,6 +100,7 @@ fp8_gelu.enabled = False
 unfused = run.forward()
 fp8_gelu.enabled = True
 ffn = run.model.blocks[0].ffn
+fp8_gelu.gelu_quantize_rows = real
 forward = {
     "kernel_calls": calls,
     "ffn_dim": ffn[0].weight.shape[0],
@@ -129,4 +131,124 @@ rope_cases["usable"] = {
     "other_head_dim": qk_rope.usable(torch.empty(30, 96), table, 32),
     "table": qk_rope.usable(torch.empty(30, 96), table, 24),
 }
-print(json.dumps({"cases": cases, "forward": forward, "usable": usable, "rope_cases": rope_cases}))
+
+
+def like_for_like(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The unfused quotient of h's rows by their scales, cast to e4m3 the interpreter's way."""
+    return interpreted_e4m3((h.float() / scale[:, None]).clamp(-448, 448))
+
+
+def inputs_case(x, norm, update=None, camera=None, modulation=None) -> dict:
+    """`fp8_inputs.norm_codes` against `dit.block_input`'s unfused path (kernel off), codes cast like for like."""
+    got_x, codes, scale = fp8_inputs.norm_codes(x, norm, update, camera, modulation)
+    fp8_inputs.enabled = False
+    want_x, h = dit.block_input(x, norm, (), update, camera and (lambda: camera), modulation)
+    fp8_inputs.enabled = True
+    _, want_scale = fp8.quantize_rows(h.float())
+    return {
+        "usable": fp8_inputs.usable(x, update),
+        "x_dtype": str(got_x.dtype),
+        "x_same_dtype": got_x.dtype == want_x.dtype,
+        "x_max_abs": float((got_x.float() - want_x.float()).abs().max()),
+        "scale_max_rel": float(((scale - want_scale).abs() / want_scale).max()),
+        "codes_equal": float((codes.float() == like_for_like(h, want_scale).float()).float().mean()),
+    }
+
+
+# fp16 where the formulas round to a half-precision dtype: the interpreter casts fp16 to nearest, as a GPU does
+half, rows, cols = torch.float16, 7, 300  # an odd row count (a program's second row masked), masked columns
+x = torch.randn(rows, cols, generator=g) * 3
+x[3] = 0.5  # a constant row: its norm is zero, scale 1e-12 / 448
+
+
+def vec(k=0.1):
+    return torch.randn(cols, generator=g) * k
+
+
+def mat(k=1.0, dtype=half):
+    return (torch.randn(rows, cols, generator=g) * k).to(dtype)
+
+
+norm, affine = dit.WanLayerNorm(cols), dit.WanLayerNorm(cols, elementwise_affine=True).requires_grad_(False)
+affine.weight.data, affine.bias.data = 1 + vec(), vec()
+inputs = {
+    "norm1": inputs_case(x, norm, (mat(), vec()), modulation=(vec(), vec())),
+    "norm1_first": inputs_case(
+        x.to(half), norm, modulation=(vec(), vec())
+    ),  # the block's first input, rounded
+    "norm3": inputs_case(x, affine, (mat(), vec()), (mat(0.1), mat(0.1))),
+    "norm3_first": inputs_case(x.to(half), affine, (mat(), vec()), (mat(0.1), mat(0.1))),
+    "norm2": inputs_case(x, norm, (mat(), None), modulation=(vec(), vec())),
+}
+for name, t in {
+    "rows": mat(3, torch.bfloat16),
+    "rows_strided": torch.randn(40, 96, generator=g)[:, :80],
+}.items():
+    codes, scale = fp8_inputs.quantize_rows(t)
+    _, want_scale = fp8.quantize_rows(t)
+    inputs[name] = {
+        "stride": t.stride(0),
+        "scale_max_rel": float(((scale - want_scale).abs() / want_scale).max()),
+        "codes_equal": float((codes.float() == like_for_like(t, want_scale).float()).float().mean()),
+    }
+inputs["usable"] = {
+    "fp32": fp8_inputs.usable(x, (mat(), None)),
+    "bf16_gated": fp8_inputs.usable(x.bfloat16(), (mat(), vec())),
+    "bf16_plain_update": fp8_inputs.usable(x.bfloat16(), (mat(), None)),
+    "bf16_no_update": fp8_inputs.usable(x.bfloat16()),
+    "bf16_gate": fp8_inputs.usable(x, (mat(), vec().bfloat16())),
+    "other_rows": fp8_inputs.usable(x, (mat()[:-1], vec())),
+    "widest": fp8_inputs.usable(torch.empty(1, fp8_inputs.MAX_COLS)),
+    "too_wide": fp8_inputs.usable(torch.empty(1, fp8_inputs.MAX_COLS + 16)),
+    "3d": fp8_inputs.usable(torch.empty(1, 2, 64)),
+    "no_rows": fp8_inputs.usable(torch.empty(0, 64)),
+    "rows_strided": fp8_inputs.quantizes(torch.empty(8, 64)[:, :32]),
+    "cols_strided": fp8_inputs.quantizes(torch.empty(64, 8).T),
+}
+input_calls, real_fns = {"norm_codes": [], "quantize_rows": []}, {}
+for name in input_calls:
+    real_fns[name] = getattr(fp8_inputs, name)
+    setattr(
+        fp8_inputs, name, lambda *a, _n=name: input_calls[_n].append(list(a[0].shape)) or real_fns[_n](*a)
+    )
+run.forward()  # one forward's calls
+for name, fn in real_fns.items():
+    setattr(fp8_inputs, name, fn)
+
+
+def interpreted_quantize_rows(t, _rows=fp8.quantize_rows):
+    """`fp8.quantize_rows` with its e4m3 cast done the interpreter's way."""
+    _, scale = _rows(t)
+    return like_for_like(t, scale), scale
+
+
+def fused_against_unfused(compute_dtype, cast_like_for_like: bool) -> float:
+    """A tiny fp8 forward with the kernels against the unfused path: the relative L2 distance of their outputs.
+    `cast_like_for_like`: every unfused quantization (the other linears' too) casts to e4m3 the interpreter's way."""
+    tiny = TinyRun(layers=2)
+    tiny.model.compute_dtype = compute_dtype
+    real_rows = fp8.quantize_rows
+    if cast_like_for_like:
+        fp8.quantize_rows = interpreted_quantize_rows
+    fused = tiny.forward()
+    assert torch.isfinite(fused).all()
+    fp8_inputs.enabled = False
+    unfused = tiny.forward()
+    fp8_inputs.enabled, fp8.quantize_rows = True, real_rows
+    return float((fused - unfused).norm() / unfused.norm())
+
+
+inputs["forward"] = {
+    "calls": input_calls,
+    "dim": run.model.blocks[0].norm1.normalized_shape[0],
+    # fp32 compute, e4m3 cast the same way on both sides: the same forward
+    "rel_fp32_like_for_like": fused_against_unfused(torch.float32, True),
+    # bf16: the interpreter also truncates the bf16 roundings
+    "rel_bf16_like_for_like": fused_against_unfused(torch.bfloat16, True),
+    "rel_bf16": fused_against_unfused(torch.bfloat16, False),
+}
+print(
+    json.dumps(
+        {"cases": cases, "forward": forward, "usable": usable, "rope_cases": rope_cases, "inputs": inputs}
+    )
+)

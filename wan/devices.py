@@ -1,6 +1,6 @@
 """Where an optional kernel can run: the checks of `fp8`, `fp8_attention` and `fa3_attention` share this, the
-optional kernel packages' modules, imported once, and whether the blocks' Triton kernels (`fp8_gelu`, `qk_rope`)
-can take a tensor."""
+optional kernel packages' modules, imported once, and whether the blocks' Triton kernels (`fp8_gelu`, `qk_rope`,
+`fp8_inputs`) can take a tensor."""
 
 import importlib
 import os

@@ -23,9 +23,9 @@ from einops import rearrange
 from torch import nn
 
 from . import attention as attention_backends
-from . import parallel, qk_rope
+from . import fp8_inputs, parallel, qk_rope
 from .config import CONTROL_CHANNELS, DiTConfig
-from .fp8 import FP8, fp8_linear, gelu_linear
+from .fp8 import FP8, RowCodes, fp8_linear, gelu_linear, take_codes
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
 # FFN token chunk: above it the [L, 13824] intermediate is built piecewise (2 GB at 720p). 480p
@@ -207,6 +207,16 @@ class WanLayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).type_as(x)
 
 
+def attention_rows(out: torch.Tensor, layer: nn.Linear) -> torch.Tensor | RowCodes:
+    """An attention's output [L, heads, d] as its o-projection `layer`'s input [L, heads * d]: e4m3 `RowCodes` from
+    `wan.fp8_inputs.quantize_rows` where the layer takes codes and the kernel runs (inductor has no producer to fuse
+    this quantization into: the attention is a kernel of its own), else as it is."""
+    rows = out.flatten(1)
+    if take_codes(layer) and fp8_inputs.quantizes(rows):
+        return RowCodes(*fp8_inputs.quantize_rows(rows))
+    return rows
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype) -> torch.Tensor:
     """[L, heads, d] inputs cast to `dtype`, through the active backend of `wan.attention` (SDPA by
     default, which is what upstream's flash_attention computes)."""
@@ -277,11 +287,12 @@ class WanSelfAttention(nn.Module):
         return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
 
     def forward(self, x, grid, freqs, dtype, keys=None):
-        rotated = self.rotates_in_norm(x, freqs)
+        """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`)."""
+        rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
         q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None)
         out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated)
         del q, k, v
-        return linear(self.o, out.flatten(1), dtype)
+        return linear(self.o, attention_rows(out, self.o), dtype)
 
 
 class WanCrossAttention(WanSelfAttention):
@@ -300,7 +311,7 @@ class WanCrossAttention(WanSelfAttention):
         n, d = self.num_heads, self.head_dim
         q = self.norm_q(linear(self.q, x, dtype)).view(-1, n, d)
         out = attention(q, k, v, dtype).to(q.dtype)
-        return linear(self.o, out.flatten(1), dtype)
+        return linear(self.o, attention_rows(out, self.o), dtype)
 
 
 class Bidirectional:
@@ -328,8 +339,37 @@ BIDIRECTIONAL = Bidirectional()
 
 
 def add_update(x: torch.Tensor, update: tuple) -> torch.Tensor:
-    """x plus a block's FFN update (its output, its gate): what each block adds to the residual last."""
-    return x + update[0] * update[1]
+    """x plus a block's update (its output, its gate; None: no gate), as the FFN's is what each block adds last."""
+    out, gate = update
+    return x + out if gate is None else x + out * gate
+
+
+def modulated(h: torch.Tensor, modulation: tuple | None) -> torch.Tensor:
+    """A norm's output h times (1 + scale) plus shift, in fp32 (`modulation`: (shift, scale); None: h as it is)."""
+    return h if modulation is None else h.float() * (1 + modulation[1]) + modulation[0]
+
+
+def block_input(x, norm, layers, update=None, camera=None, modulation=None):
+    """The residual's next value and the input of the block's next linears `layers`: x plus `update` (`add_update`),
+    then the camera's injection (`camera()`: its (scale, shift) or None; x becomes (1 + scale) * x + shift), then
+    `norm`, `modulated`. -> (x, input). Where `layers` are all fp8 (`take_codes`) and `wan.fp8_inputs`'s kernel runs,
+    the input comes as their e4m3 `RowCodes`, made in the same pass as the update and the norm."""
+    if (
+        isinstance(norm, WanLayerNorm)
+        and take_codes(*layers)
+        and fp8_inputs.usable(x, update)
+        and (camera is None or update is not None)  # the injection acts on the updated, fp32 residual
+    ):
+        injection = None if camera is None else camera()
+        x, codes, scale = fp8_inputs.norm_codes(x, norm, update, injection, modulation)
+        return x, RowCodes(codes, scale)
+    if update is not None:
+        x = add_update(x, update)
+    injection = None if camera is None else camera()
+    if injection is not None:
+        scale, shift = injection
+        x = (1.0 + scale) * x + shift
+    return x, modulated(norm(x), modulation)
 
 
 class WanAttentionBlock(nn.Module):
@@ -360,21 +400,15 @@ class WanAttentionBlock(nn.Module):
         output, its gate)) without adding it; `pending`: that pair from the block before, added to x first), so it
         lands in the graph that norms x next and one pass over the fp32 residual fuses both. Same operations, same
         order."""
-        if pending is not None:
-            x = add_update(x, pending)
         e = self.modulation_vectors(e0)
-        y = self.self_attn(
-            self.attention_input(x, e), grid, freqs, dtype, functools.partial(kv.self_kv, layer)
-        )
-        x = x + y * e[2]
-        injection = kv.camera(layer, self, cam, dtype)
-        if injection is not None:
-            scale, shift = injection
-            x = (1.0 + scale) * x + shift
-        x = x + self.cross_attn.attend(
-            self.norm3(x), *kv.text_kv(layer, self.cross_attn, context, dtype), dtype
-        )
-        update = self.feed_forward(self.ffn_input(x, e), dtype), e[5]
+        attn, cross = self.self_attn, self.cross_attn
+        x, h = block_input(x, self.norm1, (attn.q, attn.k, attn.v), pending, modulation=(e[0], e[1]))
+        y = attn(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer))
+        camera = functools.partial(kv.camera, layer, self, cam, dtype)
+        x, h = block_input(x, self.norm3, (cross.q,), (y, e[2]), camera)
+        y = cross.attend(h, *kv.text_kv(layer, cross, context, dtype), dtype)
+        x, h = block_input(x, self.norm2, (self.ffn[0],), (y, None), modulation=(e[3], e[4]))
+        update = self.feed_forward(h, dtype), e[5]
         return (x, update) if defer else add_update(x, update)
 
     def modulation_vectors(self, e0):
@@ -382,7 +416,7 @@ class WanAttentionBlock(nn.Module):
         return (self.modulation.float() + e0)[0].unbind(0)
 
     def attention_input(self, x, e):
-        return self.norm1(x).float() * (1 + e[1]) + e[0]
+        return modulated(self.norm1(x), (e[0], e[1]))
 
     def camera(self, cam, dtype):
         """The camera injection's (scale, shift) of camera tokens `cam`: x becomes (1 + scale) * x + shift."""
@@ -391,7 +425,7 @@ class WanAttentionBlock(nn.Module):
         return linear(self.cam_scale_layer, h, dtype), linear(self.cam_shift_layer, h, dtype)
 
     def ffn_input(self, x, e):
-        return self.norm2(x).float() * (1 + e[4]) + e[3]
+        return modulated(self.norm2(x), (e[3], e[4]))
 
     def ffn_output(self, x, e, dtype):
         """norm2, modulation, the FFN and its gate: what the block adds to x last."""
@@ -435,7 +469,10 @@ class WanAttentionBlock(nn.Module):
             xc.add_(self.ffn_output(xc, e, dtype))
         return x
 
-    def feed_forward(self, h: torch.Tensor, dtype) -> torch.Tensor:
+    def feed_forward(self, h: torch.Tensor | RowCodes, dtype) -> torch.Tensor:
+        """The FFN of its input h [L, C] (or h's `RowCodes`, `block_input`), token chunk by token chunk past
+        FFN_CHUNK."""
+
         def ffn(part):
             hidden = linear(self.ffn[0], part, dtype)
             # fp8 on a GPU: the GELU and the down projection's row quantization in one kernel
@@ -446,7 +483,8 @@ class WanAttentionBlock(nn.Module):
             return ffn(h)
         out = torch.empty(h.shape[0], h.shape[1], dtype=dtype, device=h.device)
         for s in range(0, h.shape[0], FFN_CHUNK):
-            out[s : s + FFN_CHUNK] = ffn(h[s : s + FFN_CHUNK])
+            t = s + FFN_CHUNK
+            out[s:t] = ffn(h.rows(s, t) if isinstance(h, RowCodes) else h[s:t])
         return out
 
 

@@ -7,7 +7,8 @@ fp32 [out] (weight ~= weight_fp8 * weight_scale[:, None]); `wan.dit.linear` sees
 loaded (small, and the head runs in fp32). This is torch's own scaled matmul, not a tensor subclass, so a
 compiled block traces through it like any other op. The FFN's down projection takes its input from one Triton kernel
 that applies the GELU and quantizes the rows in a single pass (`gelu_linear`, `wan.fp8_gelu`) where that kernel runs
-(CUDA with Triton); elsewhere the GELU and `quantize_rows` run as written.
+(CUDA with Triton); elsewhere the GELU and `quantize_rows` run as written. There too, a block's three norms and the
+attention outputs before the o-projections give their linears `RowCodes` made by `wan.fp8_inputs`.
 
 Accumulation (`accumulation`): "exact" (the default) is cuBLAS's split accumulation, which promotes the fp8
 tensor cores' partial sums to fp32 along K; "fast" (`use_fast_accum`) keeps them in the tensor cores' own
@@ -17,6 +18,7 @@ rounding error (more for long K: the FFN's down projection). A lossy option of i
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -61,6 +63,32 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scale
 
 
+class RowCodes(NamedTuple):
+    """A linear's input as `quantize_rows` makes it (e4m3 codes [rows, cols], fp32 scales [rows]), made ahead by a
+    block's fused kernel (`wan.fp8_inputs.norm_codes`); `wan.dit.linear` takes it in place of the input of layers
+    that `take_codes`."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def rows(self, start: int, stop: int) -> "RowCodes":
+        return RowCodes(self.codes[start:stop], self.scale[start:stop])
+
+
+def take_codes(*layers: nn.Module) -> bool:
+    """Whether `layers` all take their input as `RowCodes`: fp8 layers without a LoRA side path (which reads the
+    input itself)."""
+    return all(is_fp8(layer) and "lora" not in layer._modules for layer in layers)
+
+
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     return (codes.float() * scale[:, None]).to(dtype)
 
@@ -68,7 +96,9 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype=torch.float3
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias, dtype) -> torch.Tensor:
     """`x @ W.T + b` with W = weight (fp8) * scale per row: x quantized per token (row-wise amax / 448) from
     its own precision, one scaled matmul (accumulating as `accumulation` says), bf16 out (what the row-wise
-    kernel writes), returned in `dtype`."""
+    kernel writes), returned in `dtype`. `RowCodes` (made ahead, `wan.fp8_inputs`) go straight to the matmul."""
+    if isinstance(x, RowCodes):
+        return _scaled_linear(x.codes, x.scale, weight, scale, bias, dtype)
     xq, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
     return _scaled_linear(xq, xs, weight, scale, bias, dtype).view(*x.shape[:-1], weight.shape[0])
 
@@ -90,7 +120,7 @@ def gelu_linear(layer: nn.Linear, h: torch.Tensor, dtype) -> torch.Tensor | None
     """`fp8_linear` of GELU_tanh(h) [rows, cols] for the FFN's fp8 down projection `layer`, with the GELU and
     the quantization in one kernel (`wan.fp8_gelu`); None where that kernel does not run (the caller goes the
     unfused way: a LoRA side path needs the GELU'd input itself)."""
-    if not is_fp8(layer) or "lora" in layer._modules or not fp8_gelu.usable(h):
+    if not take_codes(layer) or not fp8_gelu.usable(h):
         return None
     hq, hs = fp8_gelu.gelu_quantize_rows(h)
     return _scaled_linear(hq, hs, layer.weight, layer.weight_scale, layer.bias, dtype)

@@ -5,9 +5,9 @@ the o-projections (`quantize_rows`), against the same math unfused (`dit.block_i
 shapes: [tokens, dim] of a v2 1.3B chunk (6,032 x 1,536) and a v2 14B chunk (6,032 x 5,120).
 
 Per shape and case: the kernel time (CUDA events, the median of `--repeats` back-to-back calls, the L2 cache not
-flushed between them), and its agreement
-with the unfused eager path on the GPU: the updated residual's largest difference, the share of codes equal, the
-largest distance in e4m3 steps, the scales' largest relative difference. Random inputs: numerics only.
+flushed between them), and its agreement with the unfused eager path on the GPU: the updated residual's largest
+difference, the share of codes equal, the largest distance in e4m3 steps, the scales' largest relative difference.
+Random inputs: numerics only.
 
     python benchmarks/bench_fp8_inputs.py --scale full                     # CUDA with Triton
     TRITON_INTERPRET=1 python benchmarks/bench_fp8_inputs.py --scale tiny  # CPU check, Triton's interpreter

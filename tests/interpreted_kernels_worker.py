@@ -1,5 +1,5 @@
-"""Run for tests/test_fp8_gelu.py, tests/test_qk_rope.py and tests/test_fp8_inputs.py (conftest's `interpreted_kernels`) under
-TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set before Triton is imported, hence a process
+"""Run for tests/test_fp8_gelu.py, tests/test_qk_rope.py and tests/test_fp8_inputs.py (conftest's
+`interpreted_kernels`) under TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set before Triton is imported, hence a process
 of its own): the fused GELU + e4m3 kernel (`wan.fp8_gelu`) against the unfused path, alone and inside a tiny fp8
 model's forward; the q/k RMSNorm + RoPE kernel (`wan.qk_rope`) against the norm and `rope_apply`, alone and in a
 self-attention's forward; the blocks' update + norm + e4m3 kernel and the row quantization (`wan.fp8_inputs`) against
@@ -37,17 +37,21 @@ def interpreted_e4m3(q: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def like_for_like(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The unfused quotient of h's rows by their scales, cast to e4m3 the interpreter's way."""
+    return interpreted_e4m3((h.float() / scale[:, None]).clamp(-448, 448))
+
+
 def rows_case(h: torch.Tensor) -> dict:
     codes, scale = fp8_gelu.gelu_quantize_rows(h)
     y = F.gelu(h, approximate="tanh").float()
     ref_codes, ref_scale = fp8.quantize_rows(y)
-    like_for_like = interpreted_e4m3((y / ref_scale[:, None]).clamp(-448, 448))
     return {
         "usable": fp8_gelu.usable(h),
         "shape": list(codes.shape),
         "dtype": str(codes.dtype),
         "scale_max_rel": float(((scale - ref_scale).abs() / ref_scale).max()),
-        "codes_equal": float((codes.float() == like_for_like.float()).float().mean()),
+        "codes_equal": float((codes.float() == like_for_like(y, ref_scale).float()).float().mean()),
     }
 
 
@@ -131,11 +135,6 @@ rope_cases["usable"] = {
     "other_head_dim": qk_rope.usable(torch.empty(30, 96), table, 32),
     "table": qk_rope.usable(torch.empty(30, 96), table, 24),
 }
-
-
-def like_for_like(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The unfused quotient of h's rows by their scales, cast to e4m3 the interpreter's way."""
-    return interpreted_e4m3((h.float() / scale[:, None]).clamp(-448, 448))
 
 
 def inputs_case(x, norm, update=None, camera=None, modulation=None) -> dict:

@@ -16,8 +16,9 @@ not fp32, as `WanLayerNorm` returns it), its affine weight and bias or the modul
 max(amax, 1e-12) / 448 and codes = clamp(y / scale, +-448) cast to e4m3. The mean and variance are summed in another
 order than torch's (two passes over the row in registers, not Welford), the divisions are Triton's, and on a GPU a
 product and the sum after it may be rounded once (a fused multiply-add, as in inductor's compile of the same lines):
-so the residual can move by an fp32 rounding and a code by one e4m3 step (how often: benchmarks/bench_fp8_inputs.py). Where inductor compiled the camera's
-injection it did not round 1 + scale to bf16 as the eager path does; the kernel does.
+so the residual can move by an fp32 rounding and a code by one e4m3 step (how often:
+benchmarks/bench_fp8_inputs.py). Where inductor compiled the camera's injection it did not round 1 + scale to bf16
+as the eager path does; the kernel does.
 
 Used on CUDA where Triton is installed, as two ops (`_register`); elsewhere the unfused path runs. Under
 TRITON_INTERPRET=1 also on CPU tensors (the tests).

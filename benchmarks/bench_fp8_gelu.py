@@ -63,6 +63,15 @@ def kernel_ms(fn, repeats: int) -> float:
     return round(statistics.median(times), 4)
 
 
+def graph_us(fn) -> float:
+    """`fn`'s microseconds as one call inside a CUDA graph (`triton.testing.do_bench_cudagraph`: replays of a recorded
+    batch of calls, the L2 cache as the previous call left it), so no host launch time: the kernels' own time, as
+    inside a chunk's recorded forwards. CUDA only."""
+    import triton.testing
+
+    return round(triton.testing.do_bench_cudagraph(fn) * 1e3, 2)
+
+
 def e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance between two e4m3 tensors in representable steps (codes ordered by magnitude)."""
     a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()

@@ -7,7 +7,7 @@ Per shape: the kernel's and the compiled path's values against the eager path's 
 absolute difference, the relative L2 distance), and each way's time per call (the median of `--repeats`,
 `bench_fp8_gelu.kernel_ms`: CUDA events around one call, so at these sizes mostly the host's launch; the kernel's
 time inside a chunk's CUDA graph is in `bench_fp8.py --profile`). Random inputs (randn x 3) and norm weights:
-numerics only.
+numerics only. Also the queries as FlashAttention-3's e4m3 codes from the same kernel (`codes`: `codes_case`).
 
     python benchmarks/bench_qk_rope.py --scale full                       # CUDA with Triton
     TRITON_INTERPRET=1 python benchmarks/bench_qk_rope.py --scale tiny    # CPU check, Triton's interpreter
@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fp8_gelu import kernel_ms  # noqa: E402  (it loads the pack)
-from lingbot_world.wan import dit, qk_rope  # noqa: E402
+from bench_fp8_gelu import graph_us, kernel_ms  # noqa: E402  (it loads the pack)
+from lingbot_world.wan import dit, fa3_attention, qk_rope  # noqa: E402
 
 # name -> (latent frames, height, width in tokens), heads, head_dim
 SHAPES = {
@@ -67,6 +67,43 @@ def case(grid, heads: int, d: int, device, repeats: int, compile_ok: bool) -> di
         )
         out["compiled_vs_eager"] = compared(compiled(x).flatten(1), ref)
         out["compiled_ms"] = kernel_ms(lambda: compiled(x), repeats)
+    out["codes"] = codes_case(norm, x, table, heads, ref.view(tokens, heads, d), compile_ok)
+    return out
+
+
+def codes_case(norm, x, table, heads: int, q: torch.Tensor, on_gpu: bool) -> dict:
+    """The queries as FlashAttention-3's e4m3 codes in the kernel (`qk_rope.norm_rope_codes`, each head at its
+    weight bound's scale) against the eager q quantized at those scales (torch's cast, to nearest: the share of codes
+    equal), and q's distance from its codes decoded, against codes at each head's own amax (what `fa3_fp8` quantizes
+    q to without the kernel). On a GPU, the kernel's time inside a CUDA graph (`bench_fp8_gelu.graph_us`, no host
+    launch in it) against the bf16 kernel followed by the amax and the cast as a compiled block runs them."""
+    codes, scale = qk_rope.norm_rope_codes(norm, x, table, heads)
+    amax = fa3_attention.head_quantize(q)[1]
+
+    def decoded_rel(scales):
+        c = (q.float() / scales[0, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return float((c.float() * scales[0, :, None] - q.float()).norm() / q.float().norm())
+
+    want = (q.float() / scale[0, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    out = {
+        "equal": round(float((codes.view(q.shape).float() == want.float()).float().mean()), 7),
+        "largest_code": float(codes.float().abs().max()),
+        "bound_over_amax": [round(float(v), 2) for v in (scale / amax)[0]],
+        "decoded_rel_l2": decoded_rel(scale),
+        "amax_decoded_rel_l2": decoded_rel(amax),
+    }
+    if on_gpu:
+        quantize = torch.compile(fa3_attention.head_quantize)
+        tokens, d = q.shape[0], q.shape[2]
+
+        def unfused():
+            return quantize(qk_rope.norm_rope(norm, x, table, torch.bfloat16).view(tokens, heads, d))
+
+        out["graph_us"] = {
+            "bf16_kernel": graph_us(lambda: qk_rope.norm_rope(norm, x, table, torch.bfloat16)),
+            "bf16_kernel_amax_cast_compiled": graph_us(unfused),
+            "codes_kernel_with_scale": graph_us(lambda: qk_rope.norm_rope_codes(norm, x, table, heads)),
+        }
     return out
 
 

@@ -2,7 +2,7 @@
 `interpreted_kernels`) under TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set before Triton is imported, hence a process
 of its own): the fused GELU + e4m3 kernel (`wan.fp8_gelu`) against the unfused path, alone and inside a tiny fp8
 model's forward; the q/k RMSNorm + RoPE kernel (`wan.qk_rope`) against the norm and `rope_apply`, alone and in a
-self-attention's forward; the blocks' update + norm + e4m3 kernel and the row quantization (`wan.fp8_inputs`) against
+self-attention's forward, and its e4m3 queries against the same quotient cast the interpreter's way; the blocks' update + norm + e4m3 kernel and the row quantization (`wan.fp8_inputs`) against
 the unfused path, alone and in a forward. Prints one JSON line of measurements; the tests judge them."""
 
 import json
@@ -135,6 +135,41 @@ rope_cases["usable"] = {
     "other_head_dim": qk_rope.usable(torch.empty(30, 96), table, 32),
     "table": qk_rope.usable(torch.empty(30, 96), table, 24),
 }
+
+
+def rope_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
+    """The q kernel's e4m3 output (`qk_rope.norm_rope_codes`) against the norm, `rope_apply` and the quotient by the
+    heads' bound scales cast the interpreter's way; one head's weights 10x the others'."""
+    tokens = grid[0] * grid[1] * grid[2]
+    norm = dit.WanRMSNorm(heads * d)
+    norm.weight.data = 1 + 0.3 * torch.randn(heads * d, generator=g)
+    norm.weight.data[d : 2 * d] *= 10
+    table = dit.rope_table(grid, dit.rope_freqs(d))
+    x = (torch.randn(tokens, heads * d, generator=g) * 3).to(dtype)
+    codes, scale = qk_rope.norm_rope_codes(norm, x, table, heads)
+    ref = dit.rope_apply(norm(x).view(tokens, heads, d), grid, table, dtype)
+    want = like_for_like(ref.float().flatten(0, 1), scale[0].repeat(tokens)).view(tokens, heads * d)
+    bound = norm.weight.float().abs().view(heads, d).amax(1) * (heads * d) ** 0.5 / 448
+    amax = ref.float().abs().amax(dim=(0, 2)) / 448  # each head's own: the unfused fa3_fp8 queries' scales
+
+    def decoded_rel(scales):  # q quantized at `scales` with torch's cast (to nearest, as a GPU's), decoded
+        codes = (ref.float() / scales[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return float((codes.float() * scales[:, None] - ref.float()).norm() / ref.float().norm())
+
+    return {
+        "dtype": str(codes.dtype),
+        "shape": list(codes.shape),
+        "scale": list(scale.shape),
+        "scale_max_rel": float(((scale[0] - bound).abs() / bound).max()),
+        "codes_equal": float((codes.float() == want.float()).float().mean()),
+        "max_code": float(codes.float().abs().max()),
+        "decoded_rel": decoded_rel(scale[0]),
+        "amax_decoded_rel": decoded_rel(amax),
+    }
+
+
+rope_cases["codes_fp16"] = rope_codes_case(torch.float16)
+rope_cases["codes_fp32"] = rope_codes_case(torch.float32)
 
 
 def inputs_case(x, norm, update=None, camera=None, modulation=None) -> dict:

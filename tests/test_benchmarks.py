@@ -497,6 +497,14 @@ def test_bench_qk_rope(tmp_path):
     assert "compiled_ms" not in case  # CPU: no compiled comparison
     # the interpreter rounds to bf16 toward zero: close to the eager path, not equal to it
     assert case["kernel_vs_eager"]["rel_l2"] < 0.05 and case["kernel_ms"] > 0 and case["eager_ms"] > 0
+    codes = case[
+        "codes"
+    ]  # e4m3 queries: the interpreter's cast is not torch's, so most codes, not all, agree
+    assert codes["equal"] > 0.5 and codes["largest_code"] < 448 and "graph_us" not in codes
+    assert (
+        len(codes["bound_over_amax"]) == 2 and min(codes["bound_over_amax"]) >= 1
+    )  # a bound, never below amax
+    assert codes["decoded_rel_l2"] < 0.1 and codes["amax_decoded_rel_l2"] < 0.1
 
 
 def test_bench_fp8_gelu(tmp_path):

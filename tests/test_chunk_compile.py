@@ -2,6 +2,7 @@
 per session, and the compiled chunk loop (`FastConfig.compile`): it traces once the window is full, without
 graph breaks, with two graphs for every block and chunk after, and equals the eager loop."""
 
+import dataclasses
 import types
 
 import pytest
@@ -14,6 +15,7 @@ from lingbot_world.wan import fa3_attention, fast, speed
 from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.dit import WanModel, init_random_
 from lingbot_world.wan.fast import FastConfig, FastSession, generate_fast
+from torch.utils._pytree import tree_leaves
 
 LAT = (15, 4, 6)  # 5 chunks of 3; window 7 with a 1-frame sink: chunk 2 is the first that evicts
 WINDOW = dict(local_attn_size=7, sink_size=1)
@@ -172,7 +174,9 @@ class RecordedForward(fast.ForwardGraph):
 
     def replay(self):
         self.replays += 1
-        self.out.copy_(self.forward(**self.buffers))
+        made = tree_leaves(self.forward(**self.buffers))  # a tensor, or the camera injections' pairs
+        for out, value in zip(tree_leaves(self.out), made, strict=True):
+            out.copy_(value)
 
 
 def test_steady_forwards_replay_one_recorded_graph_and_equal_the_compiled_loop(
@@ -209,8 +213,9 @@ def test_steady_forwards_replay_one_recorded_graph_and_equal_the_compiled_loop(
 
 def test_kept_camera_injections_run_compiled_and_through_the_recorded_graph(traced_chunk_blocks, monkeypatch):
     """FastConfig.camera_cache under compile: the camera pass runs through its own compiled function (one graph for
-    every block and chunk), the steady forwards' recorded graph reads the kept injections from fixed buffers, and
-    the chunks equal the compiled loop without the cache; a chunk without a camera drops that graph."""
+    every block and chunk), from the second chunk through its own recorded graph too, the steady forwards' recorded
+    graph reads the kept injections from fixed buffers, and the chunks equal the compiled loop without the cache; a
+    chunk without a camera drops the forwards' graph."""
     traced = []
 
     def backend(gm, example_inputs):
@@ -238,14 +243,18 @@ def test_kept_camera_injections_run_compiled_and_through_the_recorded_graph(trac
     RecordedForward.made = []
     kept.clear()
     assert torch.equal(run(True, True), want)
-    assert len(traced) == 1 and [g.replays for g in RecordedForward.made] == [14]
+    # the camera injections' own graph, recorded at chunk 1 and replayed from there on, then the forwards'
+    replays = [(type(g.out).__name__, g.replays) for g in RecordedForward.made]
+    assert len(traced) == 1 and replays == [("list", 4), ("Tensor", 14)]
     assert kept[0] and all(ptrs == kept[0] for ptrs in kept[:-1]) and kept[-1] == []  # the last chunk closes
     RecordedForward.made = []
     # chunk 3 without a camera: the graph recorded with the kept injections is not replayed for it
     cams = [cam[:, :, 3 * k : 3 * k + 3] for k in range(5)]
     cams[3] = None
     assert torch.equal(run(True, True, cams), run(False, False, cams))
-    assert len(RecordedForward.made) == 3
+    # the camera's graph skips chunk 3 and replays for chunk 4; the forwards' is recorded three times
+    replays = [(type(g.out).__name__, g.replays) for g in RecordedForward.made]
+    assert replays[0] == ("list", 3) and [kind for kind, _ in replays[1:]] == ["Tensor"] * 3
 
 
 def test_a_refused_recording_leaves_the_session_on_the_compiled_blocks(
@@ -263,6 +272,35 @@ def test_a_refused_recording_leaves_the_session_on_the_compiled_blocks(
     got = torch.cat([s.next_chunk(cam[:, :, 3 * k : 3 * k + 3]) for k in range(5)], dim=1)
     assert torch.equal(got, want) and s._graphs is False
     assert "CUDA graph of the chunk forward refused (operation not permitted" in caplog.text
+
+
+def test_a_refused_camera_recording_leaves_the_injections_on_their_compiled_calls(
+    traced_chunk_blocks, monkeypatch, caplog
+):
+    real = RecordedForward.record
+
+    def refuse_the_camera(self, forward):
+        if "cam" in self.buffers:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(self, forward)
+
+    monkeypatch.setattr(fast, "ForwardGraph", RecordedForward)
+    monkeypatch.setattr(RecordedForward, "record", refuse_the_camera)
+    RecordedForward.made = []
+    m = model()
+    y, ctx, cam = inputs()
+    config = FastConfig(**WINDOW, compile=True, camera_cache=True)
+    want = generate_fast(m, ctx, y, cam, LAT, dataclasses.replace(config, compile=False), "cpu")
+    s = FastSession(m, ctx, y, LAT, config, "cpu")
+    s._graphs = True
+    got, states = [], []
+    for k in range(5):
+        got.append(s.next_chunk(cam[:, :, 3 * k : 3 * k + 3]))
+        states.append((s._camera_graph, s._graphs))
+    assert torch.equal(torch.cat(got, dim=1), want)
+    # refused at chunk 1, not tried again; the forwards' graph stays on (the last chunk closes the session)
+    assert states[:4] == [(None, True)] + [(False, True)] * 3
+    assert caplog.text.count("CUDA graph of the camera injections refused (operation not permitted") == 1
 
 
 def test_compile_is_refused_with_lean_activations_and_checked():

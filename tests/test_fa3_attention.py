@@ -180,3 +180,66 @@ def test_fa3_fp8_copies_are_planned_as_fp8_attention():
     assert forward(attention="fa3_fp8") == forward(attention="fp8") > forward(attention="fa3") == forward()
     with pytest.raises(ValueError, match="no room for fp8 attention's quantized"):
         SpeedOptions(attention="fa3_fp8", lean_activations=True)
+
+
+def test_fa3_fp8_takes_queries_from_the_rotating_norm_as_codes(fa3, monkeypatch):
+    """With fa3_fp8 active, a self-attention whose q and k its norm's kernel rotates (`wan.qk_rope`) hands FA3 the
+    queries as that kernel's e4m3 codes at each head's weight bound (`qk_rope.head_bound_scale`): no amax pass over
+    them. A stand-in computes what the kernel computes (its own accuracy: test_qk_rope). Other backends get q as
+    before, and a short key set gets the codes decoded."""
+    from lingbot_world.wan import dit, qk_rope
+
+    made = []
+
+    def codes_standin(norm, x, table, heads):
+        q = qk_rope.norm_rope(norm, x, table, x.dtype).view(x.shape[0], heads, -1)
+        scale = qk_rope.head_bound_scale(norm, heads)
+        made.append((q, scale))
+        codes = (q.float() / scale[0, :, None]).clamp(-448, 448).to(FP8)
+        return codes.flatten(1), scale
+
+    monkeypatch.setattr(qk_rope, "triton_runs_on", lambda t: True)  # as on a GPU
+    monkeypatch.setattr(qk_rope, "norm_rope", dit_rope_standin)
+    monkeypatch.setattr(qk_rope, "norm_rope_codes", codes_standin)
+    heads, d, grid = 3, 32, (2, 4, 4)
+    attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=2).requires_grad_(False)
+    attn.norm_q.weight.data[:d] *= 8  # one loud head: its own bound
+    x = torch.randn(32, heads * d) * 2
+    table = dit.rope_table(grid, dit.rope_freqs(d))
+    keys = torch.randn(fp8_attention.MIN_KEYS, heads, d)
+
+    def run(backend, k=keys):
+        with attention.use(backend):
+            return attn(x, grid, table, torch.bfloat16, keys=lambda _k, _v: (k, k))
+
+    out = run("fa3_fp8")
+    ((q, scale),) = made
+    (call,) = fa3.calls
+    q8, descale = call["inputs"][0][0], call["descales"][0]
+    assert q8.dtype == FP8 and descale is scale and scale.shape == (1, heads)
+    bound = attn.norm_q.weight.abs().view(heads, d).amax(1) * (heads * d) ** 0.5 / 448
+    torch.testing.assert_close(scale[0], bound)
+    assert scale[0, 0] > 4 * scale[0, 1:].max() and q8.float().abs().max() < 448  # no code saturates
+    assert rel(q8.float() * scale[0, :, None], q.float()) < 0.04  # e4m3's 3 mantissa bits
+    exact = run("fa3")  # bf16 queries, the same rotation
+    assert len(made) == 1 and fa3.calls[-1]["dtypes"][0] == torch.bfloat16
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "takes_query_codes", lambda: False)
+        amax = run("fa3_fp8")  # the queries quantized by their own amax, from bf16
+    assert len(made) == 1 and fa3.calls[-1]["descales"][0] is not scale
+    # the looser scale loses nothing measurable: as near the bf16 queries' output as the amax scale's
+    assert rel(out, exact) < 1.25 * rel(amax, exact) < 0.2
+    run("fa3_fp8", k=keys[:64])  # short keys: bf16 FA3 on the decoded codes
+    assert fa3.calls[-1]["dtypes"] == (torch.bfloat16,) * 3 and len(made) == 2
+    decoded = (q8.float() * scale[0, :, None]).bfloat16()
+    torch.testing.assert_close(fa3.calls[-1]["inputs"][0][0], decoded)
+
+
+def dit_rope_standin(norm, x, table, dtype):
+    """`qk_rope.norm_rope` in plain torch: the norm, then `rope_apply` with the compiled table."""
+    from lingbot_world.wan import dit
+
+    heads = x.shape[1] // (2 * table.shape[2])
+    tokens = x.shape[0]
+    grid = (1, 1, tokens)
+    return dit.rope_apply(norm(x).view(tokens, heads, -1), grid, table, dtype).flatten(1)

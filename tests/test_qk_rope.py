@@ -20,6 +20,17 @@ def test_kernel_matches_rmsnorm_then_rope(interpreted_kernels):
     assert cases["fp32"]["max_ulps"] < 2 and cases["fp32"]["forward_rel"] < 1e-6, cases["fp32"]
     assert cases["bf16"]["max_ulps"] < 8 and cases["bf16"]["forward_rel"] < 0.05, cases["bf16"]
     assert cases["zero_rows"] == {"finite": True, "max_abs": 0.0}  # eps keeps an all-zero row at zero
+    # the e4m3 queries: each head at its weight bound's scale, nothing saturated, the same codes as quantizing the
+    # rotated q (rounded to its dtype) by those scales; cast to nearest, as near q as codes at each head's amax
+    for name in ("codes_fp16", "codes_fp32"):
+        case = cases[name]
+        assert (
+            case["dtype"] == "torch.float8_e4m3fn" and case["shape"] == [30, 96] and case["scale"] == [1, 4]
+        )
+        assert case["scale_max_rel"] < 1e-6 and case["max_code"] < 448, case
+        assert case["codes_equal"] > 0.995 and case["decoded_rel"] < 1.25 * case["amax_decoded_rel"] < 0.1, (
+            case
+        )
     assert cases["usable"] == {
         "complex": False,
         "other_length": False,

@@ -151,6 +151,12 @@ def active() -> Backend:
     return _active
 
 
+def takes_query_codes() -> bool:
+    """Whether the active backend takes the queries as e4m3 `fa3_attention.HeadCodes` (``fa3_fp8``): read at trace
+    time, as the backend itself is."""
+    return _active is fa3_attention.attention_fp8
+
+
 @contextlib.contextmanager
 def use(name: str):
     """Run the enclosed code with backend `name` active; the previous one is restored on exit."""

@@ -25,6 +25,7 @@ from torch import nn
 from . import attention as attention_backends
 from . import fp8_inputs, parallel, qk_rope
 from .config import CONTROL_CHANNELS, DiTConfig
+from .fa3_attention import HeadCodes
 from .fp8 import FP8, RowCodes, fp8_linear, gelu_linear, take_codes
 
 ROPE_CHUNK = 8192  # tokens per float64 RoPE chunk; bounds the transient to ~0.3 GB at dim 5120
@@ -235,25 +236,33 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def qkv(self, x, dtype, out=None, rope=None):
+    def qkv(self, x, dtype, out=None, rope=None, q_codes=False):
         """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`.
         `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
         at a time: the lean blocks). `rope`: the compiled runner's RoPE table, to rotate q and k by in their
-        norm's kernel (`wan.qk_rope`, where `rotates_in_norm`)."""
+        norm's kernel (`wan.qk_rope`, where `rotates_in_norm`); `q_codes` (with `rope`): the queries come out of
+        it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`)."""
         n, d = self.num_heads, self.head_dim
 
         def normed(norm, t):
             return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, dtype)
 
+        def queries():
+            t = linear(self.q, x, dtype)
+            if not q_codes:
+                return normed(self.norm_q, t).view(-1, n, d)
+            codes, scale = qk_rope.norm_rope_codes(self.norm_q, t, rope, n)
+            return HeadCodes(codes.view(-1, n, d), scale)
+
         makers = (
-            lambda: normed(self.norm_q, linear(self.q, x, dtype)),
-            lambda: normed(self.norm_k, linear(self.k, x, dtype)),
-            lambda: linear(self.v, x, dtype),
+            queries,
+            lambda: normed(self.norm_k, linear(self.k, x, dtype)).view(-1, n, d),
+            lambda: linear(self.v, x, dtype).view(-1, n, d),
         )
         if out is None:
-            return [make().view(-1, n, d) for make in makers]
+            return [make() for make in makers]
         for buf, make in zip(out, makers, strict=True):
-            buf.copy_(make().view(-1, n, d))
+            buf.copy_(make())
 
     def rotates_in_norm(self, x, freqs) -> bool:
         """Whether q and k of tokens x are rotated by their norm's kernel (`wan.qk_rope`, `qkv`'s `rope`): with
@@ -289,7 +298,8 @@ class WanSelfAttention(nn.Module):
     def forward(self, x, grid, freqs, dtype, keys=None):
         """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`)."""
         rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
-        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None)
+        q_codes = rotated and attention_backends.takes_query_codes()
+        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, q_codes=q_codes)
         out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated)
         del q, k, v
         return linear(self.o, attention_rows(out, self.o), dtype)

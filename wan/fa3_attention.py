@@ -10,6 +10,12 @@ is not on PyPI).
   softmax probabilities to e4m3 for the product with v and writes the output in bf16 (no fp8 output rounding,
   unlike cuDNN's kernel on Hopper). An fp8 K/V cache hands its e4m3 keys and values over as stored (scale 1).
   Short key sets (the text's 512 in cross-attention) run ``fa3``: the quantization would cost more than it saves.
+  Where q and k are normed and rotated by `wan.qk_rope`'s kernel (compiled blocks), q comes out of that kernel as
+  e4m3 codes (`HeadCodes`), each head at a fixed scale: a bound of |q| from its norm's weight (sqrt(width) times
+  the head's largest |weight|, over 448; `qk_rope.head_bound_scale`) in place of the head's amax, which would take
+  a pass over q before the cast. No code saturates, and e4m3's relative step is the same over its normal range, so
+  the looser scale only costs precision for values below 2^-6 of it (at a v2 1.3B's width, 1/730 of an element of
+  root-mean-square size).
   Lossy: the benchmark reports the deviation.
 
 FA3 3.0's entry point is a registered custom op with a fake implementation, so compiled blocks trace through it
@@ -19,6 +25,7 @@ on compute capability 9.0 only (H100, H200, H20); `problem` refuses it elsewhere
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -40,8 +47,26 @@ def interface():
         ) from err
 
 
-# (e4m3 codes [L, heads, d], fp32 [1, heads] scales): one scale per head, an fp8 cache's values as stored
-head_quantize = functools.partial(fp8_attention.quantize, per_head=True)
+class HeadCodes(NamedTuple):
+    """Queries already in e4m3 (`wan.qk_rope.norm_rope_codes`): codes [L, heads, d] and fp32 scales [1, heads]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def decoded(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.codes.float() * self.scale[0, :, None]).to(dtype)
+
+
+def head_quantize(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [L, heads, d], fp32 [1, heads] scales): one scale per head; an fp8 cache's values as stored, and
+    `HeadCodes` as they are."""
+    if isinstance(t, HeadCodes):
+        return t
+    return fp8_attention.quantize(t, per_head=True)
 
 
 def flash(q, k, v, **descales) -> torch.Tensor:
@@ -58,6 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dt
     """The ``fa3`` backend: inputs cast to `dtype` (bf16 where `dtype` is not a half type; an fp8 cache's values
     too), [Lq, heads, d] out in `dtype`."""
     work = dtype if dtype in HALF else torch.bfloat16
+    q = q.decoded(work) if isinstance(q, HeadCodes) else q
     return flash(*(t.to(work) for t in (q, k, v))).to(dtype)
 
 

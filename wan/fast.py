@@ -494,6 +494,8 @@ class FastSession:
             config.compile and self.device.type == "cuda" and sp is None and model.block_swap is None
         )
         self._graph: ForwardGraph | None = None
+        # the kept camera injections' (`_camera_injections`; False: its recording was refused)
+        self._camera_graph: ForwardGraph | bool | None = None
         self._graph_warm = False  # a steady forward ran compiled in this session: the next one records
         self._graph_camera = None  # how the graph's forwards read the camera (`_graphed`)
         if config.compile:
@@ -627,14 +629,11 @@ class FastSession:
             if self.stream:
                 self._stream_inputs(k)
             m = self.model
-            cam_tokens = None if cam is None else m.embed_camera(cam, m.compute_dtype)
-            self._kv.cams = None
-            if cam_tokens is not None and self.config.camera_cache is True:
-                with fp8.accumulation(self.config.fp8_accum):
-                    self._kv.cams = self._cams = m.camera_injections(
-                        cam_tokens, m.compute_dtype, self._cams, self._camera_runner
-                    )
-                cam_tokens = None  # the forwards read the kept injections
+            cam_tokens, self._kv.cams = None, None
+            if cam is not None and self.config.camera_cache is True:
+                self._kv.cams = self._cams = self._camera_injections(cam)  # the forwards read these
+            elif cam is not None:
+                cam_tokens = m.embed_camera(cam, m.compute_dtype)
             latent = self._noise[k]
             steps = len(self.timesteps)
             n = self.chunk * self.frame_seqlen
@@ -665,6 +664,34 @@ class FastSession:
         if self.done == self.num_chunks:
             self.close()
         return x0
+
+    def _camera_injections(self, cam: torch.Tensor) -> list:
+        """The kept camera injections of the chunk's camera `cam` (`WanModel.camera_injections` of its tokens, into
+        the session's buffers). Where the chunk's forwards run as a CUDA graph (`_graphed`), the compiled
+        injections run as one too: the first call traces, the next records, and later ones replay with `cam` copied
+        in. Its 30-40 blocks' compiled calls otherwise take the host longer than the GPU takes to run them, before
+        each chunk's first forward. Same kernels, bit for bit."""
+        m = self.model
+
+        def make(cam):
+            tokens = m.embed_camera(cam, m.compute_dtype)
+            with fp8.accumulation(self.config.fp8_accum):
+                return m.camera_injections(tokens, m.compute_dtype, self._cams, self._camera_runner)
+
+        runner, graph = self._camera_runner, self._camera_graph
+        if not self._graphs or runner is None or runner.failed or self._cams is None or graph is False:
+            return make(cam)
+        if graph is None:
+            try:
+                graph = self._camera_graph = ForwardGraph(make, {"cam": cam})
+            except RuntimeError as err:
+                self._camera_graph = False  # this session's injections stay on the compiled calls
+                text = (str(err).strip().splitlines() or [""])[0]
+                log.warning(
+                    "CUDA graph of the camera injections refused (%s); running them compiled", text[:300]
+                )
+                return make(cam)
+        return graph({"cam": cam})
 
     def _stream_inputs(self, k: int) -> None:
         """Chunk k's initial noise and condition frames (stream mode)."""
@@ -709,7 +736,7 @@ class FastSession:
     def close(self) -> None:
         """Free the caches and the remaining noise (idempotent)."""
         self._closed = True
-        self._graph = None
+        self._graph = self._camera_graph = None
         self._cams = self._kv.cams = None
         self._cache.k, self._cache.v = [], []
         self._kv.text = [None] * len(self.model.blocks)

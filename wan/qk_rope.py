@@ -4,23 +4,31 @@ then RoPE per head from the compiled runner's table (`wan.dit.rope_table`).
 Compiled, inductor fused the norm and the rotation of q and k into one kernel that read each element's pair
 under masks in float64 (93 us a call for a v2 1.3B chunk's 6,032 tokens on an H100, 13.4 ms a steady chunk),
 and it kept the normed values in fp32 where the module rounds them to bf16: its q came out 0.37 % (relative L2)
-from the eager path's. Here one program takes a token: one read of the row in pairs, one write (22 us a call,
-q and k apart), and the roundings are the module's: 99.9998 % of the values equal the eager path's on that
-shape (BENCHMARKS.md).
+from the eager path's. Here one program takes a token: one read of the whole row, split into its pairs in
+registers, one write (22 us a call, q and k apart), and the roundings are the module's: 99.9998 % of the values
+equal the eager path's on that shape (BENCHMARKS.md).
 
 Same formulas as the unfused eager path (`WanRMSNorm`, then `rope_apply`'s real float64 product): the mean of
 squares in fp32, rsqrt(+ eps), the product rounded to the input's dtype and multiplied by the weight in that
 dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's dtype. The sum of squares is
 taken in another order and rsqrt is Triton's, so a value can move by one rounding of the input's dtype.
 
+With ``--attention fa3_fp8`` the same kernel writes the queries as FlashAttention-3's e4m3 codes (`norm_rope_codes`,
+an op: `_register`): each head at a fixed scale from its norm's weights (`head_bound_scale`), the rotated value
+rounded to the query's dtype first, as the unfused path quantizes it. That saves the per-head amax and the cast, two
+more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph).
+
 Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence
 parallel (`WanSelfAttention.rotates_in_norm`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
 """
+
+import math
 
 import torch
 from torch import nn
 
 from .devices import triton, triton_runs_on
+from .fp8_attention import _TINY, FP8, FP8_MAX
 
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
 MAX_PAIRS = 8192  # a row's pairs live in one program's registers
@@ -29,10 +37,15 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _normed(v, rstd, w_ptrs, mask, x_row):
+    def _pairs(v, PAIRS: tl.constexpr):
+        """A row read whole (one coalesced load) as its pairs' first and second elements."""
+        return tl.split(tl.reshape(v, [PAIRS, 2]))
+
+    @triton.jit
+    def _normed(v, rstd, w, x_row):
         """RMSNorm of the first (or second) elements of a row's pairs: (v * rstd) in x's dtype, times the weight
         in x's dtype (an exact product, rounded once); in float64 for the rotation."""
-        w = tl.load(w_ptrs, mask=mask, other=0.0).to(x_row.dtype.element_ty).to(tl.float32)
+        w = w.to(x_row.dtype.element_ty).to(tl.float32)
         return (
             ((v * rstd).to(x_row.dtype.element_ty).to(tl.float32) * w)
             .to(x_row.dtype.element_ty)
@@ -40,27 +53,53 @@ if triton is not None:
         )
 
     @triton.jit
+    def _stored(v, scale, x_row, out_ptr, CODES: tl.constexpr):
+        """A rotated value (float64) as stored: rounded to fp32, then to out's dtype; `CODES`: rounded to x's dtype
+        (the query the unfused path hands the attention), divided by its head's scale, clamped to e4m3's range and
+        cast to e4m3 (nearest)."""
+        v = v.to(tl.float32)
+        if CODES:
+            v = tl.clamp(v.to(x_row.dtype.element_ty).to(tl.float32) / scale, -448.0, 448.0)
+        return v.to(out_ptr.dtype.element_ty)
+
+    @triton.jit
     def _rms_rope_rows(
-        x_ptr, w_ptr, table_ptr, out_ptr, cols, x_stride, eps, HALF: tl.constexpr, PAIRS: tl.constexpr
+        x_ptr,
+        w_ptr,
+        table_ptr,
+        out_ptr,
+        scale_ptr,
+        cols,
+        x_stride,
+        eps,
+        HALF: tl.constexpr,
+        PAIRS: tl.constexpr,
+        CODES: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         out_row = out_ptr + row * cols
         table_row = table_ptr + row * (2 * HALF)
+        e = tl.arange(
+            0, 2 * PAIRS
+        )  # the row's elements: read and written whole, split into pairs in registers
+        row_mask = e < cols
+        a, b = _pairs(tl.load(x_row + e, mask=row_mask, other=0.0).to(tl.float32), PAIRS)
+        rstd = tl.math.rsqrt(tl.sum(a * a + b * b, axis=0) / cols + eps)
+        w_a, w_b = _pairs(tl.load(w_ptr + e, mask=row_mask, other=0.0), PAIRS)
+        a = _normed(a, rstd, w_a, x_row)
+        b = _normed(b, rstd, w_b, x_row)
         j = tl.arange(0, PAIRS)
         mask = j < cols // 2
-        a = tl.load(x_row + 2 * j, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(x_row + 2 * j + 1, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.math.rsqrt(tl.sum(a * a + b * b, axis=0) / cols + eps)
-        a = _normed(a, rstd, w_ptr + 2 * j, mask, x_row)
-        b = _normed(b, rstd, w_ptr + 2 * j + 1, mask, x_row)
         c = j % HALF  # the pair's frequency within its head
         cos = tl.load(table_row + 2 * c, mask=mask, other=0.0)
         sin = tl.load(table_row + 2 * c + 1, mask=mask, other=0.0)
-        tl.store(out_row + 2 * j, (a * cos - b * sin).to(tl.float32).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(
-            out_row + 2 * j + 1, (a * sin + b * cos).to(tl.float32).to(out_ptr.dtype.element_ty), mask=mask
-        )
+        scale = 1.0
+        if CODES:
+            scale = tl.load(scale_ptr + j // HALF, mask=mask, other=1.0)  # the pair's head's
+        first = _stored(a * cos - b * sin, scale, x_row, out_ptr, CODES)
+        second = _stored(a * sin + b * cos, scale, x_row, out_ptr, CODES)
+        tl.store(out_row + e, tl.reshape(tl.join(first, second), [2 * PAIRS]), mask=row_mask)
 
 
 def usable(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> bool:
@@ -89,17 +128,66 @@ def warps(cols: int) -> int:
     return 4 if cols <= 2048 else 8
 
 
-def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tensor:
-    """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x)
-    viewed as [tokens, heads, d] with `table`."""
+def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
-    half = table.shape[2]
-    out = torch.empty(rows, cols, dtype=out_dtype, device=x.device)
     pairs = 1 << max(4, (cols // 2 - 1).bit_length())
-    table = table.contiguous()
+    codes = scale is not None
     _rms_rope_rows[(rows,)](
-        x, norm.weight, table, out, cols, x.stride(0), norm.eps, HALF=half, PAIRS=pairs, num_warps=warps(cols)
+        x,
+        weight,
+        table.contiguous(),
+        out,
+        scale if codes else out,  # absent: any pointer (its load is compiled out)
+        cols,
+        x.stride(0),
+        eps,
+        HALF=table.shape[2],
+        PAIRS=pairs,
+        CODES=codes,
+        num_warps=warps(cols),
     )
     return out
+
+
+def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tensor:
+    """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x)
+    viewed as [tokens, heads, d] with `table`."""
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    return _launch(x, norm.weight, table, out, None, norm.eps)
+
+
+def _codes(
+    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, eps: float
+) -> torch.Tensor:
+    return _launch(x, weight, table, torch.empty(x.shape, dtype=FP8, device=x.device), scale, eps)
+
+
+def _register() -> None:
+    """`torch.ops.lingbot.qk_rope_codes`, once per process (the pack may be imported under two names): opaque to
+    torch.compile, as `wan.fp8_inputs`'s kernels are (an e4m3 cast traced as a user kernel can fail inductor's own
+    Triton compile)."""
+    try:
+        torch.ops.lingbot.qk_rope_codes  # noqa: B018
+    except (AttributeError, RuntimeError):
+        op = torch.library.custom_op("lingbot::qk_rope_codes", _codes, mutates_args=())
+        op.register_fake(lambda x, weight, table, scale, eps: x.new_empty(x.shape, dtype=FP8))
+
+
+_register()
+
+
+def head_bound_scale(norm: nn.Module, heads: int) -> torch.Tensor:
+    """fp32 [1, heads]: each head's bound of |RoPE(norm(x))| over 448. The norm divides a row by its root mean
+    square, so no element exceeds sqrt(width) times its weight, and the rotation keeps each pair's length: no value
+    of head h exceeds sqrt(width) * max|w| over h's weights."""
+    w = norm.weight.detach().float().abs().view(heads, -1).amax(dim=1)
+    return (w * math.sqrt(norm.weight.shape[0])).clamp_min(_TINY).div(FP8_MAX).reshape(1, heads)
+
+
+def norm_rope_codes(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, heads: int):
+    """(e4m3 codes [tokens, width], fp32 scales [1, heads]) of `norm_rope(norm, x, table, x.dtype)` at a fixed scale
+    per head (`head_bound_scale`): FlashAttention-3's fp8 queries (`wan.fa3_attention.HeadCodes`) in the same pass."""
+    scale = head_bound_scale(norm, heads)
+    return torch.ops.lingbot.qk_rope_codes(x, norm.weight, table, scale, norm.eps), scale

@@ -4,6 +4,8 @@ interpreter (conftest's `interpreted_kernels`). The interpreter casts to e4m3 it
 codes are compared with the unfused path's quotient cast by the interpreter too, and roundings to a half-precision
 dtype in fp16 (which it casts to nearest, as a GPU does). The GPU's agreement: BENCHMARKS.md (issue 21)."""
 
+import types
+
 import torch
 from helpers import TinyRun
 from lingbot_world.wan import dit, fp8, fp8_inputs
@@ -81,8 +83,35 @@ def test_on_cpu_the_block_inputs_are_the_unfused_path(monkeypatch):
     assert sorted(quantized) == [12] * 12 + [32] * 2
 
 
+def test_wide_rows_leave_gated_updates_and_the_camera_to_the_unfused_path(monkeypatch):
+    """Above `GATED_COLS` (the 14B's width) the norms after a gated update or with the camera's injection take the
+    unfused path, which inductor compiles faster there; block 0's first norm and the plain update keep the kernel,
+    and at the 1.3B's width every case does."""
+    monkeypatch.setattr(fp8_inputs, "triton_runs_on", lambda t: True)  # as on a GPU
+    for cols, wide in ((1536, False), (5120, True)):
+        x, out, gate = torch.zeros(4, cols), torch.zeros(4, cols), torch.zeros(cols)
+        assert fp8_inputs.usable(x.bfloat16()) and fp8_inputs.usable(
+            x, (out, None)
+        )  # first norm; before the FFN
+        assert fp8_inputs.usable(x, (out, gate)) is not wide  # before self-attention
+        assert fp8_inputs.usable(x, (out, gate), camera=True) is not wide  # before cross-attention
+        assert fp8_inputs.usable(x, camera=True) is not wide
+    made = []
+    monkeypatch.setattr(
+        fp8_inputs, "norm_codes", lambda x, *a: made.append(x.shape) or (x, *fp8.quantize_rows(x))
+    )
+    norm = dit.WanLayerNorm(5120, 1e-6)
+    fp8_layer = types.SimpleNamespace(weight=torch.zeros(1, dtype=fp8.FP8))
+    monkeypatch.setattr(dit, "take_codes", lambda *layers: True)
+    x, out, gate = torch.randn(4, 5120), torch.randn(4, 5120), torch.rand(5120)
+    y, h = dit.block_input(x, norm, (fp8_layer,), (out, gate))
+    assert made == [] and torch.equal(y, x + out * gate)  # unfused: the residual updated as written
+    dit.block_input(x, norm, (fp8_layer,), (out, None))
+    assert made == [(4, 5120)]
+
+
 def test_only_fp8_layers_without_side_paths_take_codes(monkeypatch):
-    monkeypatch.setattr(fp8_inputs, "usable", lambda x, update=None: True)  # as on a GPU
+    monkeypatch.setattr(fp8_inputs, "usable", lambda x, update=None, camera=False: True)  # as on a GPU
     made = []
     monkeypatch.setattr(
         fp8_inputs, "norm_codes", lambda x, *a: made.append(a) or (x, *fp8.quantize_rows(x.float()))

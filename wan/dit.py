@@ -367,7 +367,7 @@ def block_input(x, norm, layers, update=None, camera=None, modulation=None):
     if (
         isinstance(norm, WanLayerNorm)
         and take_codes(*layers)
-        and fp8_inputs.usable(x, update)
+        and fp8_inputs.usable(x, update, camera is not None)
         and (camera is None or update is not None)  # the injection acts on the updated, fp32 residual
     ):
         injection = None if camera is None else camera()

@@ -8,7 +8,8 @@ holds two whole rows in registers: one read of each input, one write of the upda
 an H200 at a v2 1.3B chunk's 6,032 tokens x 1,536 (the norms before self-attention / cross-attention / the FFN): 40 /
 57 / 36 us a call against inductor's 74 / 83 / 51, and the o-projections' row quantization 12 us against 31. At the
 14B's 5,120 columns the norms are about even (141 / 209 / 133 against 125 / 233 / 138 us) and the row quantization
-32 us against 92. Figures and the chunk loop's time: BENCHMARKS.md (issue 21).
+32 us against 92; there the first two run unfused (`GATED_COLS`). Figures and the chunk loop's time: BENCHMARKS.md
+(issue 21).
 
 Same formulas as the block's unfused path, in its order: x + update (times its gate), then the camera's injection
 (1 + scale, rounded to the scale's dtype) * x + shift, in fp32; LayerNorm in fp32 (rounded to x's dtype where x is
@@ -35,24 +36,33 @@ FP8 = torch.float8_e4m3fn
 MAX_COLS = 8192  # two rows live in one program's registers; wider rows take the unfused path
 ROWS = 2  # rows per program (an H200's sweep at 1,536 and 5,120 columns: 2 was best or within 3 % of it)
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
+# Above this width (the 14B's 5,120 columns) the norms after a gated update (before self-attention; before
+# cross-attention, with the camera's injection) run unfused: inside a CUDA graph inductor's compile of them took 121
+# and 152 us a call against the kernel's 136 and 200 on an H200, and the 14B chunk went 1.5759 -> 1.5642 s without
+# the kernel there (BENCHMARKS.md). At the 1.3B's 1,536 the kernel is the faster (34 against 65 us) or even.
+GATED_COLS = 2048
 
 
 def _rows_fit(t: torch.Tensor) -> bool:
     return enabled and triton_runs_on(t) and t.dim() == 2 and t.shape[0] > 0 and 0 < t.shape[1] <= MAX_COLS
 
 
-def usable(x: torch.Tensor, update=None) -> bool:
+def usable(x: torch.Tensor, update=None, camera: bool = False) -> bool:
     """Whether `norm_codes` runs here for residual x [rows, cols] and `update` (its (output [rows, cols], gate [cols]
-    or None) or None): the updated residual must come out in fp32, as the kernel computes it (x in fp32, or an fp32
-    gate: block 0's bf16 input plus its attention's gated update), and a gate must be fp32 (its product unrounded)."""
+    or None) or None), `camera`: with the camera's injection. The updated residual must come out in fp32, as the
+    kernel computes it (x in fp32, or an fp32 gate: block 0's bf16 input plus its attention's gated update), and a
+    gate must be fp32 (its product unrounded). Wider than `GATED_COLS`, a gated update or the injection is left to
+    the unfused path."""
     if not _rows_fit(x):
         return False
     if update is None:
-        return True
+        return not camera or x.shape[1] <= GATED_COLS
     out, gate = update
     if out.shape != x.shape or (
         gate is not None and (gate.dtype != torch.float32 or gate.shape != x.shape[1:])
     ):
+        return False
+    if x.shape[1] > GATED_COLS and (camera or gate is not None):
         return False
     return x.dtype == torch.float32 or gate is not None
 

@@ -80,9 +80,8 @@ if triton is not None:
         x_row = x_ptr + row * x_stride
         out_row = out_ptr + row * cols
         table_row = table_ptr + row * (2 * HALF)
-        e = tl.arange(
-            0, 2 * PAIRS
-        )  # the row's elements: read and written whole, split into pairs in registers
+        # the row's elements: read and written whole, split into pairs in registers
+        e = tl.arange(0, 2 * PAIRS)
         row_mask = e < cols
         a, b = _pairs(tl.load(x_row + e, mask=row_mask, other=0.0).to(tl.float32), PAIRS)
         rstd = tl.math.rsqrt(tl.sum(a * a + b * b, axis=0) / cols + eps)

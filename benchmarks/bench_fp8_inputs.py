@@ -22,12 +22,8 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from lingbot import load_pack  # noqa: E402
-
-load_pack()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# it loads the pack
 from bench_fp8_gelu import e4m3_steps, graph_us, kernel_ms, kernel_parser, kernel_setup  # noqa: E402
 from lingbot_world.wan import dit, fp8, fp8_inputs  # noqa: E402
 
@@ -88,9 +84,8 @@ def timed_case(fused, unfused, args, repeats: int, device) -> dict:
         "eager_unfused_ms": kernel_ms(lambda: unfused(*args), repeats),
         "compiled_unfused_ms": kernel_ms(lambda: compiled(*args), repeats),
     }
-    if (
-        device.type == "cuda"
-    ):  # inside a CUDA graph: no host launch time (the ops' dispatch weighs on kernel_ms)
+    # inside a CUDA graph: no host launch time (the ops' dispatch weighs on kernel_ms)
+    if device.type == "cuda":
         out["compiled_unfused_graph_us"] = graph_us(lambda: compiled(*args))
     fp8_inputs.enabled = True
     out["kernel_ms"] = kernel_ms(lambda: fused(*args), repeats)

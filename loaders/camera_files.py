@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..wan.actions import act2cam_trajectory
+from ..wan.actions import act2cam_trajectory, action_string_frames
 from ..wan.camera import (
     camera_conditioning,
     check_intrinsics_rows,
@@ -118,7 +118,7 @@ class CameraInput:
     def frames(self) -> int:
         """The longest 4n+1 video this camera input can drive."""
         if self.action_string is not None:
-            return act2cam_trajectory(action_string=self.action_string).frame_num
+            return action_string_frames(self.action_string)
         return usable_frames(len(self.wasd if self.act2cam_files else self.poses))
 
     def plan(self, frame_num: int | None) -> tuple[np.ndarray, np.ndarray | None, int]:

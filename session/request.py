@@ -185,10 +185,8 @@ def _frames(frame_num, camera: CameraInput | None) -> int:
         return SampleConfig.frame_num if frame_num is None else frame_num
     # Action strings fix the length; pose files cap it (upstream's rules). Keys are bounded here too,
     # before the pose path is built.
-    if camera.action_string is not None and camera.frames() > MAX_FRAMES:
-        raise RequestError(
-            "action_string", f"drives {camera.frames()} frames; at most {MAX_FRAMES} (100 s at 16 fps)"
-        )
+    if camera.action_string is not None and (driven := camera.frames()) > MAX_FRAMES:
+        raise RequestError("action_string", f"drives {driven} frames; at most {MAX_FRAMES} (100 s at 16 fps)")
     return camera.plan(frame_num)[2]
 
 

@@ -145,6 +145,13 @@ def actions_to_poses(wasd, ijkl=None) -> np.ndarray:
     return poses
 
 
+def action_string_frames(action_string: str) -> int:
+    """The video length (4n+1) an action string fixes: its frames padded with no-key frames, as
+    `act2cam_trajectory` pads them; found without integrating the poses (a long string is refused on its length
+    before any pose is made)."""
+    return pad_frame_num(len(parse_action_string(action_string)[0]))
+
+
 class Act2Cam(NamedTuple):
     poses: np.ndarray  # [frame_num + 1, 4, 4] float64 c2w; pass to camera_conditioning(act2cam=True)
     wasd: np.ndarray  # [frame_num, 4] keys per video frame, no-key padding included

@@ -115,8 +115,8 @@ def warps(cols: int) -> int:
 def launch(h, codes, scale, num_warps: int | None = None) -> None:
     rows, cols = h.shape
     num_warps = num_warps or warps(cols)
-    # the GPU's tanh instruction; Triton's interpreter (CPU tensors) runs no PTX
-    approx = h.is_cuda
+    # the GPU's tanh instruction (PTX: NVIDIA's); Triton's interpreter (CPU tensors) and ROCm run no PTX
+    approx = h.is_cuda and torch.version.hip is None
     _gelu_fp8_rows[(rows,)](h, codes, scale, cols, h.stride(0), *parts(cols), approx, num_warps=num_warps)
 
 

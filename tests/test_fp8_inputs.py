@@ -90,9 +90,8 @@ def test_wide_rows_leave_gated_updates_and_the_camera_to_the_unfused_path(monkey
     monkeypatch.setattr(fp8_inputs, "triton_runs_on", lambda t: True)  # as on a GPU
     for cols, wide in ((1536, False), (5120, True)):
         x, out, gate = torch.zeros(4, cols), torch.zeros(4, cols), torch.zeros(cols)
-        assert fp8_inputs.usable(x.bfloat16()) and fp8_inputs.usable(
-            x, (out, None)
-        )  # first norm; before the FFN
+        assert fp8_inputs.usable(x.bfloat16())  # block 0's first norm
+        assert fp8_inputs.usable(x, (out, None))  # before the FFN
         assert fp8_inputs.usable(x, (out, gate)) is not wide  # before self-attention
         assert fp8_inputs.usable(x, (out, gate), camera=True) is not wide  # before cross-attention
         assert fp8_inputs.usable(x, camera=True) is not wide

@@ -55,14 +55,15 @@ def usable(x: torch.Tensor, update=None, camera: bool = False) -> bool:
     the unfused path."""
     if not _rows_fit(x):
         return False
+    gate = None if update is None else update[1]
+    if x.shape[1] > GATED_COLS and (camera or gate is not None):
+        return False
     if update is None:
-        return not camera or x.shape[1] <= GATED_COLS
-    out, gate = update
+        return True
+    out = update[0]
     if out.shape != x.shape or (
         gate is not None and (gate.dtype != torch.float32 or gate.shape != x.shape[1:])
     ):
-        return False
-    if x.shape[1] > GATED_COLS and (camera or gate is not None):
         return False
     return x.dtype == torch.float32 or gate is not None
 

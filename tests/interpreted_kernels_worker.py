@@ -214,6 +214,19 @@ inputs = {
     "norm3_first": inputs_case(x.to(half), affine, (mat(), vec()), (mat(0.1), mat(0.1))),
     "norm2": inputs_case(x, norm, (mat(), None), modulation=(vec(), vec())),
 }
+for width in (
+    256,
+    96,
+):  # one tile (a power of two), and two with none masked (64 + 32), as 1,536 = 1,024 + 512
+    wx = torch.randn(rows, width, generator=g) * 3
+    wnorm = dit.WanLayerNorm(width, elementwise_affine=True).requires_grad_(False)
+    wnorm.weight.data, wnorm.bias.data = (
+        1 + torch.randn(width, generator=g) * 0.1,
+        torch.randn(width, generator=g) * 0.1,
+    )
+    wmat = [(torch.randn(rows, width, generator=g) * k).to(half) for k in (1.0, 0.1, 0.1)]
+    wcase = inputs_case(wx, wnorm, (wmat[0], torch.randn(width, generator=g) * 0.1), (wmat[1], wmat[2]))
+    inputs[f"norm3_cols_{width}"] = wcase | {"tiles": list(fp8_inputs._tiles(width))}
 for name, t in {
     "rows": mat(3, torch.bfloat16),
     "rows_strided": torch.randn(40, 96, generator=g)[:, :80],

@@ -16,13 +16,16 @@ def test_kernel_matches_the_unfused_block_input(interpreted_kernels):
     gated), on the block's first input (no update; the norm rounds to the input's dtype), before cross-attention
     (the attention's gated update, the camera's injection, an affine norm), before the FFN (a plain sum)."""
     inputs = interpreted_kernels["inputs"]
-    for name in ("norm1", "norm1_first", "norm3", "norm3_first", "norm2"):
+    for name in ("norm1", "norm1_first", "norm3", "norm3_first", "norm2", "norm3_cols_256", "norm3_cols_96"):
         case = inputs[name]
         assert case["usable"] and case["x_same_dtype"], (name, case)
         # the same additions and products, rounded the same way (the interpreter fuses no multiply-add)
         assert case["x_max_abs"] == 0.0, (name, case)
         # the mean and variance are summed in another order: a scale within an fp32 rounding or two
         assert case["scale_max_rel"] <= 5e-7 and case["codes_equal"] >= 0.995, (name, case)
+    # a row as two power-of-two column tiles, none masked where the width allows (300 = 256 + 44 of 64)
+    assert [inputs[f"norm3_cols_{w}"]["tiles"] for w in (256, 96)] == [[256, 0], [64, 32]]
+    assert [fp8_inputs._tiles(c) for c in (1536, 5120, 300)] == [(1024, 512), (4096, 1024), (256, 64)]
     assert inputs["norm1_first"]["x_dtype"] == "torch.float16"  # nothing updates it: given back as it came
     assert (
         inputs["norm3_first"]["x_dtype"] == "torch.float32"

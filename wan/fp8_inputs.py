@@ -4,12 +4,12 @@ codes (`norm_codes`), and the row quantization of an attention's output (`quanti
 With fp8 linears, each of a block's three norms (before self-attention, cross-attention and the FFN) feeds scaled
 matmuls that take the normed rows as e4m3 codes with a scale per row (`wan.fp8.quantize_rows`). Compiled, inductor
 fused the residual's update, the norm, the modulation and the quantization into a looped reduction. Here one program
-holds two whole rows in registers: one read of each input, one write of the updated residual and of the codes. On
-an H200 at a v2 1.3B chunk's 6,032 tokens x 1,536 (the norms before self-attention / cross-attention / the FFN): 40 /
-57 / 36 us a call against inductor's 74 / 83 / 51, and the o-projections' row quantization 12 us against 31. At the
-14B's 5,120 columns the norms are about even (141 / 209 / 133 against 125 / 233 / 138 us) and the row quantization
-32 us against 92; there the first two run unfused (`GATED_COLS`). Figures and the chunk loop's time: BENCHMARKS.md
-(issue 21).
+holds two whole rows in registers, each as two power-of-two column tiles with no masked lanes (`_tiles`): one read
+of each input, one write of the updated residual and of the codes. Inside a CUDA graph on an H200, at a v2 1.3B
+chunk's 6,032 tokens x 1,536 (the norms before self-attention / cross-attention / the FFN): 34 / 43 / 32 us a call
+against inductor's 51 / 60 / 48, and the o-projections' row quantization 7 us against 18; at the 14B's 5,120
+columns 122 / 148 / 117 us against 132 / 152 / 141, and 27 us against 53. Figures and the chunk loop's time:
+BENCHMARKS.md (issue 21).
 
 Same formulas as the block's unfused path, in its order: x + update (times its gate), then the camera's injection
 (1 + scale, rounded to the scale's dtype) * x + shift, in fp32; LayerNorm in fp32 (rounded to x's dtype where x is
@@ -37,9 +37,10 @@ MAX_COLS = 8192  # two rows live in one program's registers; wider rows take the
 ROWS = 2  # rows per program (an H200's sweep at 1,536 and 5,120 columns: 2 was best or within 3 % of it)
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
 # Above this width (the 14B's 5,120 columns) the norms after a gated update (before self-attention; before
-# cross-attention, with the camera's injection) run unfused: inside a CUDA graph inductor's compile of them took 121
-# and 152 us a call against the kernel's 136 and 200 on an H200, and the 14B chunk went 1.5759 -> 1.5642 s without
-# the kernel there (BENCHMARKS.md). At the 1.3B's 1,536 the kernel is the faster (34 against 65 us) or even.
+# cross-attention, with the camera's injection) run unfused. With one masked tile per row the kernel took 136 and 200
+# us a call there against inductor's 121 and 152 on an H200, and the 14B chunk went 1.5759 -> 1.5642 s without it;
+# with two unmasked tiles, 122 and 148 against 132 and 152 us, and the chunk was even (1.5717 s unfused, 1.5703 with
+# the kernel), so the split stays (BENCHMARKS.md). At the 1.3B's 1,536 the kernel is the faster.
 GATED_COLS = 2048
 
 
@@ -81,21 +82,88 @@ def warps(cols: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _row_tile(start, rows, cols, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-        """A tile of ROWS rows: (row indices, column indices, its mask, its element offsets at row stride cols)."""
+    def _row_tile(start, rows, cols, first, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        """A tile of ROWS rows and BLOCK columns from column `first`: (row indices, column indices, its mask, its
+        element offsets at row stride cols)."""
         r = start + tl.arange(0, ROWS)
-        c = tl.arange(0, BLOCK)
+        c = first + tl.arange(0, BLOCK)
         mask = (r < rows)[:, None] & (c < cols)[None, :]
         return r, c, mask, r.to(tl.int64)[:, None] * cols + c[None, :]
 
     @triton.jit
-    def _store_row_codes(y, codes_ptr, scale_ptr, r, rows, offsets, mask):
-        """Each row's scale max(amax, 1e-12) / 448 and its codes clamp(y / scale, +-448) cast to e4m3 (nearest)."""
-        y = tl.where(mask, y, 0.0)
-        scale = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-12) / 448.0  # wan.fp8's _TINY floor and FP8_MAX
+    def _row_scale(amax):
+        return tl.maximum(amax, 1e-12) / 448.0  # wan.fp8's _TINY floor and FP8_MAX
+
+    @triton.jit
+    def _store_codes(y, scale, codes_ptr, offsets, mask):
+        """codes clamp(y / scale, +-448) cast to e4m3 (nearest)."""
         codes = tl.clamp(y / scale[:, None], -448.0, 448.0).to(codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + offsets, codes, mask=mask)
+
+    @triton.jit
+    def _store_row_codes(y, codes_ptr, scale_ptr, r, rows, offsets, mask):
+        """Each row's scale max(amax, 1e-12) / 448 and its codes."""
+        y = tl.where(mask, y, 0.0)
+        scale = _row_scale(tl.max(tl.abs(y), axis=1))
+        _store_codes(y, scale, codes_ptr, offsets, mask)
         tl.store(scale_ptr + r, scale, mask=r < rows)
+
+    @triton.jit
+    def _updated_part(
+        x_ptr,
+        update_ptr,
+        gate_ptr,
+        cam_scale_ptr,
+        cam_shift_ptr,
+        x_out_ptr,
+        c,
+        offsets,
+        mask,
+        col_mask,
+        UPDATE: tl.constexpr,
+        GATED: tl.constexpr,
+        CAMERA: tl.constexpr,
+    ):
+        """One column tile of the rows: x plus its (gated) update, then the camera's injection, in fp32, stored
+        as the residual's new value where anything updated it."""
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if UPDATE:
+            u = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            if GATED:
+                u = u * tl.load(gate_ptr + c, mask=col_mask, other=0.0)[None, :]
+            x = x + u
+        if CAMERA:
+            s = tl.load(cam_scale_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            s = (1.0 + s).to(cam_scale_ptr.dtype.element_ty).to(tl.float32)
+            x = s * x + tl.load(cam_shift_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if UPDATE or CAMERA:
+            tl.store(x_out_ptr + offsets, x, mask=mask)
+        return x
+
+    @triton.jit
+    def _normed_part(
+        d,
+        rstd,
+        x_ptr,
+        weight_ptr,
+        bias_ptr,
+        c,
+        col_mask,
+        AFFINE: tl.constexpr,
+        MODULATE: tl.constexpr,
+        ROUND: tl.constexpr,
+    ):
+        """One column tile's normed values from its centred x `d`: the norm's affine or the modulation."""
+        y = d * rstd[:, None]
+        if AFFINE:
+            y = y * tl.load(weight_ptr + c, mask=col_mask, other=0.0)[None, :]
+            y = y + tl.load(bias_ptr + c, mask=col_mask, other=0.0)[None, :]
+        if ROUND:
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if MODULATE:  # weight_ptr, bias_ptr: the modulation's scale and shift
+            y = y * (1.0 + tl.load(weight_ptr + c, mask=col_mask, other=0.0))[None, :]
+            y = y + tl.load(bias_ptr + c, mask=col_mask, other=0.0)[None, :]
+        return y
 
     @triton.jit
     def _norm_codes_rows(
@@ -113,6 +181,7 @@ if triton is not None:
         cols,
         eps,
         BLOCK: tl.constexpr,
+        TAIL: tl.constexpr,
         ROWS: tl.constexpr,
         UPDATE: tl.constexpr,
         GATED: tl.constexpr,
@@ -121,38 +190,41 @@ if triton is not None:
         MODULATE: tl.constexpr,
         ROUND: tl.constexpr,
     ):
-        r, c, mask, offsets = _row_tile(tl.program_id(0) * ROWS, rows, cols, BLOCK, ROWS)
-        col_mask = c < cols
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if UPDATE:
-            u = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            if GATED:
-                u = u * tl.load(gate_ptr + c, mask=col_mask, other=0.0)[None, :]
-            x = x + u
-        if CAMERA:
-            s = tl.load(cam_scale_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            s = (1.0 + s).to(cam_scale_ptr.dtype.element_ty).to(tl.float32)
-            x = s * x + tl.load(cam_shift_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        if UPDATE or CAMERA:
-            tl.store(x_out_ptr + offsets, x, mask=mask)
-        mean = tl.sum(x, axis=1) / cols
+        # the rows in two power-of-two column tiles, [0, BLOCK) and [BLOCK, BLOCK + TAIL) (`_tiles`)
+        start = tl.program_id(0) * ROWS
+        r, c, mask, offsets = _row_tile(start, rows, cols, 0, BLOCK, ROWS)
+        ins = (x_ptr, update_ptr, gate_ptr, cam_scale_ptr, cam_shift_ptr, x_out_ptr)
+        x = _updated_part(*ins, c, offsets, mask, c < cols, UPDATE, GATED, CAMERA)
+        total = tl.sum(x, axis=1)
+        if TAIL > 0:
+            _, ct, mask_t, offsets_t = _row_tile(start, rows, cols, BLOCK, TAIL, ROWS)
+            xt = _updated_part(*ins, ct, offsets_t, mask_t, ct < cols, UPDATE, GATED, CAMERA)
+            total += tl.sum(xt, axis=1)
+        mean = total / cols
         d = tl.where(mask, x - mean[:, None], 0.0)
-        y = d * tl.math.rsqrt(tl.sum(d * d, axis=1) / cols + eps)[:, None]
-        if AFFINE:
-            y = y * tl.load(weight_ptr + c, mask=col_mask, other=0.0)[None, :]
-            y = y + tl.load(bias_ptr + c, mask=col_mask, other=0.0)[None, :]
-        if ROUND:
-            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
-        if MODULATE:  # weight_ptr, bias_ptr: the modulation's scale and shift
-            y = y * (1.0 + tl.load(weight_ptr + c, mask=col_mask, other=0.0))[None, :]
-            y = y + tl.load(bias_ptr + c, mask=col_mask, other=0.0)[None, :]
-        _store_row_codes(y, codes_ptr, scale_ptr, r, rows, offsets, mask)
+        var = tl.sum(d * d, axis=1)
+        if TAIL > 0:
+            dt = tl.where(mask_t, xt - mean[:, None], 0.0)
+            var += tl.sum(dt * dt, axis=1)
+        rstd = tl.math.rsqrt(var / cols + eps)
+        outs = (x_ptr, weight_ptr, bias_ptr)
+        y = tl.where(mask, _normed_part(d, rstd, *outs, c, c < cols, AFFINE, MODULATE, ROUND), 0.0)
+        amax = tl.max(tl.abs(y), axis=1)
+        if TAIL > 0:
+            yt = _normed_part(dt, rstd, *outs, ct, ct < cols, AFFINE, MODULATE, ROUND)
+            yt = tl.where(mask_t, yt, 0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(yt), axis=1))
+        scale = _row_scale(amax)
+        _store_codes(y, scale, codes_ptr, offsets, mask)
+        if TAIL > 0:
+            _store_codes(yt, scale, codes_ptr, offsets_t, mask_t)
+        tl.store(scale_ptr + r, scale, mask=r < rows)
 
     @triton.jit
     def _codes_rows(
         t_ptr, codes_ptr, scale_ptr, rows, cols, t_stride, BLOCK: tl.constexpr, ROWS: tl.constexpr
     ):
-        r, c, mask, offsets = _row_tile(tl.program_id(0) * ROWS, rows, cols, BLOCK, ROWS)
+        r, c, mask, offsets = _row_tile(tl.program_id(0) * ROWS, rows, cols, 0, BLOCK, ROWS)
         y = tl.load(t_ptr + r.to(tl.int64)[:, None] * t_stride + c[None, :], mask=mask, other=0.0)
         _store_row_codes(y.to(tl.float32), codes_ptr, scale_ptr, r, rows, offsets, mask)
 
@@ -160,6 +232,14 @@ if triton is not None:
 def _outputs(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(rows, cols, dtype=FP8, device=device)
     return codes, torch.empty(rows, dtype=torch.float32, device=device)
+
+
+def _tiles(cols: int) -> tuple[int, int]:
+    """A row's two power-of-two column tiles (BLOCK, TAIL): the largest power of two within cols, then the rest
+    rounded up (0: none). 1,536 = 1,024 + 512 and 5,120 = 4,096 + 1,024 hold no masked lanes, where one tile of
+    2,048 (8,192) would mask a quarter (three eighths) of its registers."""
+    block = 1 << (cols.bit_length() - 1)
+    return block, 0 if cols == block else triton.next_power_of_2(cols - block)
 
 
 def _grid(rows: int) -> tuple[int]:
@@ -203,7 +283,7 @@ def _launch_norm(
         rows,
         cols,
         eps,
-        BLOCK=triton.next_power_of_2(cols),
+        *_tiles(cols),
         ROWS=ROWS,
         UPDATE=update is not None,
         GATED=gate is not None,

@@ -20,6 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helpers import TinyRun  # noqa: E402
 from lingbot_world.wan import dit, fp8, fp8_gelu, fp8_inputs, qk_rope  # noqa: E402
+from lingbot_world.wan.devices import power_of_two_blocks  # noqa: E402
 
 
 @triton.jit
@@ -214,10 +215,8 @@ inputs = {
     "norm3_first": inputs_case(x.to(half), affine, (mat(), vec()), (mat(0.1), mat(0.1))),
     "norm2": inputs_case(x, norm, (mat(), None), modulation=(vec(), vec())),
 }
-for width in (
-    256,
-    96,
-):  # one tile (a power of two), and two with none masked (64 + 32), as 1,536 = 1,024 + 512
+# one tile (a power of two), and two with none masked (64 + 32), as 1,536 = 1,024 + 512
+for width in (256, 96):
     wx = torch.randn(rows, width, generator=g) * 3
     wnorm = dit.WanLayerNorm(width, elementwise_affine=True).requires_grad_(False)
     wnorm.weight.data, wnorm.bias.data = (
@@ -226,7 +225,7 @@ for width in (
     )
     wmat = [(torch.randn(rows, width, generator=g) * k).to(half) for k in (1.0, 0.1, 0.1)]
     wcase = inputs_case(wx, wnorm, (wmat[0], torch.randn(width, generator=g) * 0.1), (wmat[1], wmat[2]))
-    inputs[f"norm3_cols_{width}"] = wcase | {"tiles": list(fp8_inputs._tiles(width))}
+    inputs[f"norm3_cols_{width}"] = wcase | {"tiles": list(power_of_two_blocks(width, 2))}
 for name, t in {
     "rows": mat(3, torch.bfloat16),
     "rows_strided": torch.randn(40, 96, generator=g)[:, :80],

@@ -63,12 +63,17 @@ def test_gelu_linear_declines_what_it_cannot_fuse(monkeypatch):
 
 
 def test_rows_split_into_few_power_of_two_blocks():
+    from lingbot_world.wan.devices import power_of_two_blocks
+
+    def blocks(cols):  # the GELU kernel's three
+        return power_of_two_blocks(cols, 3)
+
     # the cases above: 300 columns take three blocks, 80 two, 64 one
-    assert fp8_gelu.parts(300) == (256, 32, 16) and fp8_gelu.parts(80) == (64, 16, 0)
-    assert fp8_gelu.parts(64) == (64, 0, 0)
-    assert fp8_gelu.parts(8960) == (8192, 512, 256) and fp8_gelu.parts(13824) == (8192, 4096, 2048)
+    assert blocks(300) == (256, 32, 16) and blocks(80) == (64, 16, 0)
+    assert blocks(64) == (64, 0, 0)
+    assert blocks(8960) == (8192, 512, 256) and blocks(13824) == (8192, 4096, 2048)
     for cols in range(1, 3000):
-        first, second, third = fp8_gelu.parts(cols)
+        first, second, third = blocks(cols)
         assert first + second <= cols <= first + second + third or third == 0 and first + second == cols
         assert first + second + third - cols < max(third, 1)  # only the last block has idle lanes
         assert all(p == 0 or p & (p - 1) == 0 for p in (first, second, third)), cols

@@ -9,6 +9,7 @@ import types
 import torch
 from helpers import TinyRun
 from lingbot_world.wan import dit, fp8, fp8_inputs
+from lingbot_world.wan.devices import power_of_two_blocks
 
 
 def test_kernel_matches_the_unfused_block_input(interpreted_kernels):
@@ -25,7 +26,7 @@ def test_kernel_matches_the_unfused_block_input(interpreted_kernels):
         assert case["scale_max_rel"] <= 5e-7 and case["codes_equal"] >= 0.995, (name, case)
     # a row as two power-of-two column tiles, none masked where the width allows (300 = 256 + 44 of 64)
     assert [inputs[f"norm3_cols_{w}"]["tiles"] for w in (256, 96)] == [[256, 0], [64, 32]]
-    assert [fp8_inputs._tiles(c) for c in (1536, 5120, 300)] == [(1024, 512), (4096, 1024), (256, 64)]
+    assert [power_of_two_blocks(c, 2) for c in (1536, 5120, 300)] == [(1024, 512), (4096, 1024), (256, 64)]
     assert inputs["norm1_first"]["x_dtype"] == "torch.float16"  # nothing updates it: given back as it came
     assert (
         inputs["norm3_first"]["x_dtype"] == "torch.float32"

@@ -37,6 +37,20 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or _INTERPRET)
 
 
+def power_of_two_blocks(cols: int, count: int) -> tuple[int, ...]:
+    """A row's width as up to `count` power-of-two blocks for a Triton kernel (its tiles are powers of two), so few
+    lanes idle: each the largest power of two within what is left, the last rounded up (at least 16) to cover the
+    rest; a zero is no such block. 3 blocks: 8960 = 8192 + 512 + 256, 13824 = 8192 + 4096 + 1536 in a block of 2048;
+    2 blocks: 1536 = 1024 + 512, 5120 = 4096 + 1024, 300 = 256 + 44 in a block of 64."""
+    blocks, rest = [], cols
+    for _ in range(count - 1):
+        block = 1 << (rest.bit_length() - 1) if rest else 0
+        blocks.append(block)
+        rest -= block
+    blocks.append(max(16, 1 << (rest - 1).bit_length()) if rest else 0)
+    return tuple(blocks)
+
+
 _imported: dict = {}  # optional kernel packages' modules, by name (`kept_import`)
 
 

@@ -21,7 +21,7 @@ Under TRITON_INTERPRET=1 it also runs on CPU tensors (the tests; the interpreter
 
 import torch
 
-from .devices import triton, triton_runs_on
+from .devices import power_of_two_blocks, triton, triton_runs_on
 
 if triton is not None:
     import triton.language as tl
@@ -33,16 +33,6 @@ enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled blo
 def usable(h: torch.Tensor) -> bool:
     """Whether `gelu_quantize_rows` runs for hidden `h` [rows, cols] here."""
     return enabled and triton_runs_on(h) and h.dim() == 2 and h.numel() > 0 and h.shape[1] <= MAX_COLS
-
-
-def parts(cols: int) -> tuple[int, int, int]:
-    """A row's width as up to three power-of-two blocks (Triton's tiles are powers of two), so few lanes idle:
-    8960 = 8192 + 512 + 256; 13824 = 8192 + 4096 + 1536 in a block of 2048 (a zero: no such block)."""
-    first = 1 << (cols.bit_length() - 1)
-    rest = cols - first
-    second = 1 << (rest.bit_length() - 1) if rest else 0
-    rest -= second
-    return first, second, max(16, 1 << (rest - 1).bit_length()) if rest else 0
 
 
 if triton is not None:
@@ -117,7 +107,9 @@ def launch(h, codes, scale, num_warps: int | None = None) -> None:
     num_warps = num_warps or warps(cols)
     # the GPU's tanh instruction (PTX: NVIDIA's); Triton's interpreter (CPU tensors) and ROCm run no PTX
     approx = h.is_cuda and torch.version.hip is None
-    _gelu_fp8_rows[(rows,)](h, codes, scale, cols, h.stride(0), *parts(cols), approx, num_warps=num_warps)
+    _gelu_fp8_rows[(rows,)](
+        h, codes, scale, cols, h.stride(0), *power_of_two_blocks(cols, 3), approx, num_warps=num_warps
+    )
 
 
 def gelu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,9 @@ codes (`norm_codes`), and the row quantization of an attention's output (`quanti
 With fp8 linears, each of a block's three norms (before self-attention, cross-attention and the FFN) feeds scaled
 matmuls that take the normed rows as e4m3 codes with a scale per row (`wan.fp8.quantize_rows`). Compiled, inductor
 fused the residual's update, the norm, the modulation and the quantization into a looped reduction. Here one program
-holds two whole rows in registers, each as two power-of-two column tiles with no masked lanes (`_tiles`): one read
-of each input, one write of the updated residual and of the codes. Inside a CUDA graph on an H200, at a v2 1.3B
+holds two whole rows in registers, each as two power-of-two column tiles (`devices.power_of_two_blocks`: 1,536 =
+1,024 + 512 and 5,120 = 4,096 + 1,024, where one tile of 2,048 or 8,192 masked a quarter or three eighths of its
+lanes): one read of each input, one write of the updated residual and of the codes. Inside a CUDA graph on an H200, at a v2 1.3B
 chunk's 6,032 tokens x 1,536 (the norms before self-attention / cross-attention / the FFN): 34 / 43 / 32 us a call
 against inductor's 51 / 60 / 48, and the o-projections' row quantization 7 us against 18; at the 14B's 5,120
 columns 122 / 148 / 117 us against 132 / 152 / 141, and 27 us against 53. Figures and the chunk loop's time:
@@ -27,7 +28,7 @@ TRITON_INTERPRET=1 also on CPU tensors (the tests).
 
 import torch
 
-from .devices import triton, triton_runs_on
+from .devices import power_of_two_blocks, triton, triton_runs_on
 
 if triton is not None:
     import triton.language as tl
@@ -190,7 +191,7 @@ if triton is not None:
         MODULATE: tl.constexpr,
         ROUND: tl.constexpr,
     ):
-        # the rows in two power-of-two column tiles, [0, BLOCK) and [BLOCK, BLOCK + TAIL) (`_tiles`)
+        # the rows in two power-of-two column tiles, [0, BLOCK) and [BLOCK, BLOCK + TAIL)
         start = tl.program_id(0) * ROWS
         r, c, mask, offsets = _row_tile(start, rows, cols, 0, BLOCK, ROWS)
         ins = (x_ptr, update_ptr, gate_ptr, cam_scale_ptr, cam_shift_ptr, x_out_ptr)
@@ -234,14 +235,6 @@ def _outputs(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, torch.empty(rows, dtype=torch.float32, device=device)
 
 
-def _tiles(cols: int) -> tuple[int, int]:
-    """A row's two power-of-two column tiles (BLOCK, TAIL): the largest power of two within cols, then the rest
-    rounded up (0: none). 1,536 = 1,024 + 512 and 5,120 = 4,096 + 1,024 hold no masked lanes, where one tile of
-    2,048 (8,192) would mask a quarter (three eighths) of its registers."""
-    block = 1 << (cols.bit_length() - 1)
-    return block, 0 if cols == block else triton.next_power_of_2(cols - block)
-
-
 def _grid(rows: int) -> tuple[int]:
     return (triton.cdiv(rows, ROWS),)
 
@@ -283,7 +276,7 @@ def _launch_norm(
         rows,
         cols,
         eps,
-        *_tiles(cols),
+        *power_of_two_blocks(cols, 2),
         ROWS=ROWS,
         UPDATE=update is not None,
         GATED=gate is not None,

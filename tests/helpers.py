@@ -415,11 +415,13 @@ def fake_module(monkeypatch, name: str, module) -> None:
 
 def fa3_math(q, k, v, q_descale=None, k_descale=None, v_descale=None):
     """FlashAttention-3's `flash_attn_func` in plain torch, on [batch, tokens, heads, d]: e4m3 inputs are dequantized
-    with their [batch, heads] descales and give bf16, as FA3's fp8 kernel does; others give q's dtype."""
+    with their [batch, heads] descales (a missing one is 1, as FA3 takes it) and give bf16, as FA3's fp8 kernel does;
+    others give q's dtype."""
     fp8 = q.dtype == torch.float8_e4m3fn
     if fp8:
         q, k, v = (
-            t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
+            t.float() * (1 if s is None else s[:, None, :, None])
+            for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
         )
     o = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
     return o.transpose(1, 2).to(torch.bfloat16 if fp8 else q.dtype)

@@ -5,6 +5,7 @@ model's forward; the q/k RMSNorm + RoPE kernel (`wan.qk_rope`) against the norm 
 self-attention's forward, and its e4m3 queries against the same quotient cast the interpreter's way; the blocks' update + norm + e4m3 kernel and the row quantization (`wan.fp8_inputs`) against
 the unfused path, alone and in a forward. Prints one JSON line of measurements; the tests judge them."""
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helpers import TinyRun  # noqa: E402
-from lingbot_world.wan import dit, fp8, fp8_gelu, fp8_inputs, qk_rope  # noqa: E402
+from lingbot_world.wan import dit, fast, fp8, fp8_gelu, fp8_inputs, qk_rope  # noqa: E402
 from lingbot_world.wan.devices import power_of_two_blocks  # noqa: E402
 
 
@@ -171,6 +172,52 @@ def rope_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5))
 
 rope_cases["codes_fp16"] = rope_codes_case(torch.float16)
 rope_cases["codes_fp32"] = rope_codes_case(torch.float32)
+
+
+def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
+    """The k kernel writing an fp8 cache's keys (`qk_rope.norm_rope` into e4m3, scale 1) against its keys in `dtype`
+    clamped and cast as the cache stores them (the interpreter's cast on both sides; one head's weights large
+    enough to clamp); then a self-attention's forward into an fp8 cache with and without it (torch's cast)."""
+    tokens = grid[0] * grid[1] * grid[2]
+    attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=4).requires_grad_(False)
+    attn.norm_k.weight.data = 1 + 0.3 * torch.randn(heads * d, generator=g)
+    attn.norm_k.weight.data[:d] *= 300
+    table = dit.rope_table(grid, dit.rope_freqs(d))
+    x = (torch.randn(tokens, heads * d, generator=g) * 3).to(dtype)
+    codes = qk_rope.norm_rope(attn.norm_k, x, table, torch.float8_e4m3fn)
+    keys = qk_rope.norm_rope(attn.norm_k, x, table, dtype)
+    want = interpreted_e4m3(keys.float().clamp(-448, 448))
+
+    attn.norm_k.weight.data[:d] /= (
+        300  # the forward: keys of ordinary size (huge logits magnify a code's step)
+    )
+    made = []
+    real = qk_rope.norm_rope
+
+    def forward(key_dtype):
+        cache = fast.SelfKVCache(1, tokens, heads, d, 0, torch.float8_e4m3fn, "cpu")
+        cache.begin(0, tokens)
+        kv = fast.ChunkCausal(cache, 1)
+        assert kv.key_dtype == torch.float8_e4m3fn
+        qk_rope.norm_rope = lambda *a: made.append(a[-1]) or real(*a)
+        out = attn(x, grid, table, dtype, functools.partial(kv.self_kv, 0), key_dtype)
+        qk_rope.norm_rope = real
+        return out, cache.k[0], cache.v[0]
+
+    (out, k8, v8), (out0, k0, v0) = forward(torch.float8_e4m3fn), forward(None)
+    return {
+        "kernel_dtypes": [str(t) for t in made],
+        "dtype": str(codes.dtype),
+        "codes_equal": float((codes.float() == want.float()).float().mean()),
+        "max_code": float(codes.float().abs().max()),
+        "cache_keys_equal": float((k8.float() == k0.float()).float().mean()),
+        "cache_values_equal": bool(torch.equal(v8, v0)),
+        "forward_rel": float((out - out0).float().norm() / out0.float().norm()),
+    }
+
+
+rope_cases["key_codes_fp16"] = key_codes_case(torch.float16)
+rope_cases["key_codes_bf16"] = key_codes_case(torch.bfloat16)
 
 
 def inputs_case(x, norm, update=None, camera=None, modulation=None) -> dict:

@@ -122,6 +122,26 @@ def test_cache_roll_keeps_sink_and_newest():
     assert k.shape[0] == 3
 
 
+def test_an_e4m3_cache_asks_for_its_keys_as_it_stores_them():
+    """An e4m3 K/V cache (and the block's views of it) asks the q/k kernel for its keys in e4m3
+    (`Bidirectional.key_dtype`), and stores keys given so as they are; a bf16 or e5m2 cache asks for nothing (the
+    kernel's codes are e4m3's). Keys in the attention's dtype are still clamped to 448 and cast."""
+    from lingbot_world.wan.fast import ChunkCausal, LayerKeys
+
+    e4m3 = torch.float8_e4m3fn
+    for dtype, want in ((torch.bfloat16, None), (torch.float8_e5m2, None), (e4m3, e4m3)):
+        cache = SelfKVCache(1, 4, 2, 8, 0, dtype, "cpu")
+        views = (cache, ChunkCausal(cache, 1), LayerKeys(cache, cache.k[0], cache.v[0], None))
+        assert [v.key_dtype for v in views] == [want] * 3, dtype
+    g = torch.Generator().manual_seed(0)
+    codes = (torch.randn(4, 2, 8, generator=g) * 100).to(e4m3)
+    values = torch.randn(4, 2, 8, generator=g).bfloat16() * 1000
+    cache.begin(0, 4)
+    k, v = ChunkCausal(cache, 1).self_kv(0, codes, values)
+    assert torch.equal(k.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(v.view(torch.uint8), values.float().clamp(-448, 448).to(e4m3).view(torch.uint8))
+
+
 def test_commit_pass_changes_the_next_chunk():
     model = tiny_fast_model()
     y, ctx, cam = tiny_fast_inputs()

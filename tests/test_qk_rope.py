@@ -40,6 +40,21 @@ def test_kernel_matches_rmsnorm_then_rope(interpreted_kernels):
     }
 
 
+def test_kernel_writes_an_fp8_caches_keys_as_the_cache_stores_them(interpreted_kernels):
+    """With an fp8 K/V cache (`Bidirectional.key_dtype`) the k kernel writes e4m3 at scale 1: the keys rounded to
+    their dtype, clamped to 448 and cast, the codes the cache's own store gives (both cast the interpreter's way);
+    a self-attention's forward takes that path for its keys alone, its values and queries as before. Against the
+    store's torch cast the interpreter's own cast moves some codes by a step (on a GPU both are one instruction)."""
+    for dtype in ("fp16", "bf16"):
+        case = interpreted_kernels["rope_cases"][f"key_codes_{dtype}"]
+        assert case["dtype"] == "torch.float8_e4m3fn" and case["codes_equal"] == 1.0, case
+        assert case["max_code"] == 448.0, case  # the large head saturates, as the cache clamps
+        half = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}[dtype]
+        assert case["kernel_dtypes"] == [half, "torch.float8_e4m3fn", half, half], case
+        assert case["cache_values_equal"] and case["cache_keys_equal"] >= 0.9, case
+        assert case["forward_rel"] < 0.15, case
+
+
 def test_only_compiled_blocks_outside_sequence_parallel_take_the_kernel(monkeypatch):
     """The kernel needs the compiled runner's real table, the whole sequence's heads and an RMSNorm: eager blocks
     (complex freqs), sequence-parallel ones and ones without q/k norms never call it, so their q and k are normed

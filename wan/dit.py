@@ -236,16 +236,17 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def qkv(self, x, dtype, out=None, rope=None, q_codes=False):
+    def qkv(self, x, dtype, out=None, rope=None, q_codes=False, key_dtype=None):
         """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`.
         `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
         at a time: the lean blocks). `rope`: the compiled runner's RoPE table, to rotate q and k by in their
         norm's kernel (`wan.qk_rope`, where `rotates_in_norm`); `q_codes` (with `rope`): the queries come out of
-        it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`)."""
+        it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`); `key_dtype` (with `rope`): the keys come
+        out of it in that dtype instead, as the K/V cache stores them (`Bidirectional.key_dtype`)."""
         n, d = self.num_heads, self.head_dim
 
-        def normed(norm, t):
-            return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, dtype)
+        def normed(norm, t, out_dtype=dtype):
+            return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, out_dtype)
 
         def queries():
             t = linear(self.q, x, dtype)
@@ -256,7 +257,7 @@ class WanSelfAttention(nn.Module):
 
         makers = (
             queries,
-            lambda: normed(self.norm_k, linear(self.k, x, dtype)).view(-1, n, d),
+            lambda: normed(self.norm_k, linear(self.k, x, dtype), key_dtype or dtype).view(-1, n, d),
             lambda: linear(self.v, x, dtype).view(-1, n, d),
         )
         if out is None:
@@ -295,11 +296,13 @@ class WanSelfAttention(nn.Module):
         sp = parallel.current()  # sequence parallel: local tokens in, the heads' full sequence inside
         return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
 
-    def forward(self, x, grid, freqs, dtype, keys=None):
-        """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`)."""
+    def forward(self, x, grid, freqs, dtype, keys=None, key_dtype=None):
+        """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`); `key_dtype`: how `keys` stores
+        them (`Bidirectional.key_dtype`)."""
         rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
         q_codes = rotated and attention_backends.takes_query_codes()
-        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, q_codes=q_codes)
+        rope = freqs if rotated else None
+        q, k, v = self.qkv(x, dtype, rope=rope, q_codes=q_codes, key_dtype=key_dtype)
         out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated)
         del q, k, v
         return linear(self.o, attention_rows(out, self.o), dtype)
@@ -331,6 +334,10 @@ class Bidirectional:
     the forward's embedded text, the camera injection computed in every block from the camera tokens.
     `wan.fast.ChunkCausal` is the chunk-causal one (a K/V cache of the past chunks, text keys kept, and
     optionally each block's camera injection kept for all the forwards of a chunk)."""
+
+    # the dtype self_kv stores keys in where that is not the attention's (an fp8 cache's e4m3): the q/k kernel
+    # writes them so (`WanSelfAttention.qkv`); None: as computed
+    key_dtype = None
 
     def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Block `layer`'s rotated keys and values of this forward -> what its queries attend to."""
@@ -413,7 +420,7 @@ class WanAttentionBlock(nn.Module):
         e = self.modulation_vectors(e0)
         attn, cross = self.self_attn, self.cross_attn
         x, h = block_input(x, self.norm1, (attn.q, attn.k, attn.v), pending, modulation=(e[0], e[1]))
-        y = attn(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer))
+        y = attn(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer), kv.key_dtype)
         camera = functools.partial(kv.camera, layer, self, cam, dtype)
         x, h = block_input(x, self.norm3, (cross.q,), (y, e[2]), camera)
         y = cross.attend(h, *kv.text_kv(layer, cross, context, dtype), dtype)

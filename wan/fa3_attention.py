@@ -8,7 +8,8 @@ is not on PyPI).
 - ``fa3_fp8``: q, k and v quantized to e4m3 with one scale per head (max|t| over the head's tokens / 448, on the
   device, fused into a compiled block); FA3's fp8 kernel takes the scales as its descale factors, rounds the
   softmax probabilities to e4m3 for the product with v and writes the output in bf16 (no fp8 output rounding,
-  unlike cuDNN's kernel on Hopper). An fp8 K/V cache hands its e4m3 keys and values over as stored (scale 1).
+  unlike cuDNN's kernel on Hopper). An fp8 K/V cache hands its e4m3 keys and values over as stored, at scale 1:
+  they go without descales (FA3 takes a missing one as 1).
   Short key sets (the text's 512 in cross-attention) run ``fa3``: the quantization would cost more than it saves.
   Where q and k are normed and rotated by `wan.qk_rope`'s kernel (compiled blocks), q comes out of that kernel as
   e4m3 codes (`HeadCodes`), each head at a fixed scale: a bound of |q| from its norm's weight (sqrt(width) times
@@ -31,7 +32,7 @@ import torch
 
 from . import fp8_attention
 from .devices import card_problem, kept_import
-from .fp8_attention import MIN_KEYS
+from .fp8_attention import FP8, MIN_KEYS
 
 MODULE = "flash_attn_interface"
 PACKAGE = "flash_attn_3 (FlashAttention-3, built from flash-attention's hopper/ directory)"
@@ -92,6 +93,8 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torc
     if k.shape[0] < MIN_KEYS:
         return attention(q, k, v, dtype)
     (q8, qs), (k8, ks), (v8, vs) = (head_quantize(t) for t in (q, k, v))
+    # an fp8 cache's keys and values are at scale 1: no descale, which FA3 takes as 1 (no kernel making ones)
+    ks, vs = (None if t.dtype == FP8 else s for t, s in ((k, ks), (v, vs)))
     return flash(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs).to(dtype)
 
 

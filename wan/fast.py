@@ -253,7 +253,15 @@ class SelfKVCache:
             return evicted, self.local_end + end - self.global_end - evicted
         return 0, self.local_end + end - self.global_end
 
+    @property
+    def key_dtype(self) -> torch.dtype | None:
+        """The dtype keys are stored in where the q/k kernel should write them so (`Bidirectional.key_dtype`): an
+        e4m3 cache's, whose codes it gives as `_store` would (clamped to 448, scale 1); None: otherwise."""
+        return self.dtype if self.dtype == torch.float8_e4m3fn else None
+
     def _store(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == self.dtype:  # as stored already (keys from the q/k kernel)
+            return t
         if self._limit is not None:
             t = t.clamp(-self._limit, self._limit)
         return t.to(self.dtype)
@@ -309,6 +317,10 @@ class ChunkCausal(Bidirectional):
         self.text: list = [None] * num_layers
         self.cams: list | None = None  # each block's camera injection of the chunk, kept (`FastSession`)
 
+    @property
+    def key_dtype(self):
+        return self.cache.key_dtype
+
     def self_kv(self, layer, k, v):
         return self.cache.write(layer, k, v)
 
@@ -336,6 +348,10 @@ class LayerKeys(Bidirectional):
 
     def __init__(self, cache: SelfKVCache, k: torch.Tensor, v: torch.Tensor, text, cam=None):
         self.cache, self.k, self.v, self.text, self.cam = cache, k, v, text, cam
+
+    @property
+    def key_dtype(self):
+        return self.cache.key_dtype
 
     def self_kv(self, layer, k, v):
         return self.cache.store(self.k, self.v, k, v)

@@ -327,7 +327,8 @@ def norm_codes(x, norm, update=None, camera=None, modulation=None):
     if affine and modulation is not None:
         raise ValueError("norm_codes: an affine norm takes no modulation (no block norm has both)")
     if affine:
-        weight, bias = norm.weight.float(), norm.bias.float()
+        # as they are: the kernel widens them to fp32 as it loads them (exact), no conversion pass a call
+        weight, bias = norm.weight, norm.bias
     else:
         bias, weight = modulation if modulation is not None else (None, None)
     x_out, codes, scale = torch.ops.lingbot.fp8_norm_codes(

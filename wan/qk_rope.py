@@ -16,7 +16,10 @@ taken in another order and rsqrt is Triton's, so a value can move by one roundin
 With ``--attention fa3_fp8`` the same kernel writes the queries as FlashAttention-3's e4m3 codes (`norm_rope_codes`,
 an op: `_register`): each head at a fixed scale from its norm's weights (`head_bound_scale`), the rotated value
 rounded to the query's dtype first, as the unfused path quantizes it. That saves the per-head amax and the cast, two
-more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph).
+more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph). With an fp8 K/V
+cache it writes the keys as the cache stores them (`norm_rope` into e4m3): rounded to the keys' dtype, clamped to
+e4m3's range and cast, at scale 1, the codes the cache's own cast gives; the cache then copies 1 byte an element
+where it read the keys' 2 from memory again.
 
 Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence
 parallel (`WanSelfAttention.rotates_in_norm`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
@@ -75,6 +78,7 @@ if triton is not None:
         HALF: tl.constexpr,
         PAIRS: tl.constexpr,
         CODES: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
@@ -94,7 +98,7 @@ if triton is not None:
         cos = tl.load(table_row + 2 * c, mask=mask, other=0.0)
         sin = tl.load(table_row + 2 * c + 1, mask=mask, other=0.0)
         scale = 1.0
-        if CODES:
+        if SCALED:
             scale = tl.load(scale_ptr + j // HALF, mask=mask, other=1.0)  # the pair's head's
         first = _stored(a * cos - b * sin, scale, x_row, out_ptr, CODES)
         second = _stored(a * sin + b * cos, scale, x_row, out_ptr, CODES)
@@ -132,19 +136,20 @@ def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
         x = x.contiguous()
     rows, cols = x.shape
     pairs = 1 << max(4, (cols // 2 - 1).bit_length())
-    codes = scale is not None
+    codes = out.dtype == FP8
     _rms_rope_rows[(rows,)](
         x,
         weight,
         table.contiguous(),
         out,
-        scale if codes else out,  # absent: any pointer (its load is compiled out)
+        out if scale is None else scale,  # absent: any pointer (its load is compiled out)
         cols,
         x.stride(0),
         eps,
         HALF=table.shape[2],
         PAIRS=pairs,
         CODES=codes,
+        SCALED=scale is not None,
         num_warps=warps(cols),
     )
     return out
@@ -152,14 +157,18 @@ def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
 
 def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tensor:
     """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x)
-    viewed as [tokens, heads, d] with `table`."""
+    viewed as [tokens, heads, d] with `table`. `out_dtype` e4m3: an fp8 K/V cache's keys, rounded to x's dtype,
+    clamped to e4m3's range and cast (scale 1), as the cache stores a key of x's dtype."""
+    if out_dtype == FP8:
+        return torch.ops.lingbot.qk_rope_codes(x, norm.weight, table, None, norm.eps)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     return _launch(x, norm.weight, table, out, None, norm.eps)
 
 
 def _codes(
-    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, eps: float
+    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
+    """e4m3 codes of the rotated rows at each head's `scale` ([1, heads]; None: 1)."""
     return _launch(x, weight, table, torch.empty(x.shape, dtype=FP8, device=x.device), scale, eps)
 
 

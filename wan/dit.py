@@ -301,8 +301,7 @@ class WanSelfAttention(nn.Module):
         them (`Bidirectional.key_dtype`)."""
         rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
         q_codes = rotated and attention_backends.takes_query_codes()
-        rope = freqs if rotated else None
-        q, k, v = self.qkv(x, dtype, rope=rope, q_codes=q_codes, key_dtype=key_dtype)
+        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, q_codes=q_codes, key_dtype=key_dtype)
         out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated)
         del q, k, v
         return linear(self.o, attention_rows(out, self.o), dtype)

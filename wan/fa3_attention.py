@@ -62,11 +62,13 @@ class HeadCodes(NamedTuple):
         return (self.codes.float() * self.scale[0, :, None]).to(dtype)
 
 
-def head_quantize(t) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [L, heads, d], fp32 [1, heads] scales): one scale per head; an fp8 cache's values as stored, and
-    `HeadCodes` as they are."""
+def head_quantize(t) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(e4m3 codes [L, heads, d], fp32 [1, heads] scales): one scale per head; `HeadCodes` as they are; an fp8
+    cache's values as stored, at scale 1, with no scale (FA3 takes a missing descale as 1: no tensor of ones)."""
     if isinstance(t, HeadCodes):
         return t
+    if t.dtype == FP8:
+        return t.contiguous(), None
     return fp8_attention.quantize(t, per_head=True)
 
 
@@ -93,8 +95,6 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torc
     if k.shape[0] < MIN_KEYS:
         return attention(q, k, v, dtype)
     (q8, qs), (k8, ks), (v8, vs) = (head_quantize(t) for t in (q, k, v))
-    # an fp8 cache's keys and values are at scale 1: no descale, which FA3 takes as 1 (no kernel making ones)
-    ks, vs = (None if t.dtype == FP8 else s for t, s in ((k, ks), (v, vs)))
     return flash(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs).to(dtype)
 
 

@@ -152,9 +152,9 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def interpreted_kernels():
-    """What tests/interpreted_kernels_worker.py measured of the blocks' Triton kernels (`wan.fp8_gelu`, `wan.qk_rope`)
-    run through Triton's interpreter on CPU tensors, in a process of its own (TRITON_INTERPRET=1 must precede
-    Triton's import)."""
+    """What tests/interpreted_kernels_worker.py measured of the Triton kernels (`wan.fp8_gelu`, `wan.qk_rope`,
+    `wan.fp8_inputs`, `wan.tap_conv`) run through Triton's interpreter on CPU tensors, in a process of its own
+    (TRITON_INTERPRET=1 must precede Triton's import)."""
     pytest.importorskip(
         "triton", reason="Triton is not installed (Linux: pip install triton; torch's CPU wheels lack it)"
     )

@@ -1,9 +1,10 @@
-"""Run for tests/test_fp8_gelu.py, tests/test_qk_rope.py and tests/test_fp8_inputs.py (conftest's
+"""Run for tests/test_fp8_gelu.py, tests/test_qk_rope.py, tests/test_fp8_inputs.py and tests/test_tap_conv.py (conftest's
 `interpreted_kernels`) under TRITON_INTERPRET=1 (Triton's interpreter, on CPU tensors; it must be set before Triton is imported, hence a process
 of its own): the fused GELU + e4m3 kernel (`wan.fp8_gelu`) against the unfused path, alone and inside a tiny fp8
 model's forward; the q/k RMSNorm + RoPE kernel (`wan.qk_rope`) against the norm and `rope_apply`, alone and in a
 self-attention's forward, and its e4m3 queries against the same quotient cast the interpreter's way; the blocks' update + norm + e4m3 kernel and the row quantization (`wan.fp8_inputs`) against
-the unfused path, alone and in a forward. Prints one JSON line of measurements; the tests judge them."""
+the unfused path, alone and in a forward; the fast decoder's causal conv (`wan.tap_conv`) against the 3-D conv, alone
+and in a tiny decoder. Prints one JSON line of measurements; the tests judge them."""
 
 import functools
 import json
@@ -20,7 +21,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from helpers import TinyRun  # noqa: E402
-from lingbot_world.wan import dit, fast, fp8, fp8_gelu, fp8_inputs, qk_rope  # noqa: E402
+from lingbot_world.wan import dit, fast, fp8, fp8_gelu, fp8_inputs, qk_rope, tap_conv  # noqa: E402
+from lingbot_world.wan import vae as V  # noqa: E402
 from lingbot_world.wan.devices import power_of_two_blocks  # noqa: E402
 
 
@@ -340,8 +342,99 @@ inputs["forward"] = {
     "rel_bf16_like_for_like": fused_against_unfused(torch.bfloat16, True),
     "rel_bf16": fused_against_unfused(torch.bfloat16, False),
 }
+
+
+# --- the fast decoder's causal conv kernel (`wan.tap_conv`) ---
+CL3 = torch.channels_last_3d
+
+
+def channels_last(a: torch.Tensor) -> bool:
+    _, c, t, h, w = a.shape
+    return a.stride() == (c * t * h * w, 1, h * w * c, w * c, c)
+
+
+def conv_case(c: int, co: int, dtype, bias: bool = True, frames: int = 4, size=(5, 7), config=None) -> dict:
+    """The kernel on x's frames after a cache of 2 against the 3-D conv of the two concatenated (float64);
+    `config` tunes an untuned width for the call."""
+    x = torch.randn(1, c, frames, *size, generator=g).to(dtype).contiguous(memory_format=CL3)
+    w = (torch.randn(co, c, 3, 3, 3, generator=g) / (27 * c) ** 0.5).to(dtype).contiguous(memory_format=CL3)
+    b = torch.randn(co, generator=g).to(dtype) if bias else None
+    cache, new = x[:, :, :2].contiguous(memory_format=CL3), x[:, :, 2:].contiguous(memory_format=CL3)
+    saved = dict(tap_conv.CONFIGS)
+    tap_conv.CONFIGS[(c, co)] = config or tap_conv.CONFIGS[(c, co)]
+    try:
+        y = tap_conv.causal_conv(cache, new, tap_conv.pack(w), b)
+    finally:
+        tap_conv.CONFIGS = saved
+    ref = F.conv3d(x.double(), w.double(), None if b is None else b.double(), padding=(0, 1, 1))
+    return {
+        "usable": tap_conv.usable(w),
+        "rel": float((y.double() - ref).norm() / ref.norm()),
+        "shape": list(y.shape),
+        "dtype": str(y.dtype),
+        "channels_last": channels_last(y),
+    }
+
+
+conv_cases = {
+    "96_fp32": conv_case(96, 96, torch.float32),
+    "96_fp16_no_bias": conv_case(96, 96, torch.float16, bias=False),
+    # the head: 3 output channels in a block of 16, the rest masked
+    "96_to_3_fp16": conv_case(96, 3, torch.float16),
+    # two column blocks of 128 + 64, one output frame, two pixel blocks with rows wrapping inside them; 192 is not
+    # tuned (cuDNN is faster there), so the case brings a config (bf16 is left to the GPU: the interpreter's bf16
+    # dot is not a GPU's)
+    "192_fp16_one_frame": conv_case(192, 192, torch.float16, frames=3, size=(9, 40), config=(128, 4, 2)),
+    "usable": {
+        "96_fp32": tap_conv.usable(torch.zeros(96, 96, 3, 3, 3)),
+        "192_fp16": tap_conv.usable(torch.zeros(192, 192, 3, 3, 3, dtype=torch.float16)),
+        "96_to_192_fp16": tap_conv.usable(torch.zeros(192, 96, 3, 3, 3, dtype=torch.float16)),
+        "2d_fp16": tap_conv.usable(torch.zeros(96, 96, 3, 3, dtype=torch.float16)),
+    },
+}
+
+
+def decode_tiny(vae, latent, enabled: bool) -> tuple[torch.Tensor, list, int]:
+    """(frames, the kernel's calls as x's shape + output channels, convs packed) of a tiny VAE's fp16 fast decode
+    with its levers run eagerly (the compiled runner's steps, called as they are), the kernel tuned for its 8- and
+    16-channel residual convs and its head (one program a frame: the interpreter is slow per step), or not
+    (`tap_conv.enabled`)."""
+    calls, conv = [], tap_conv.causal_conv
+    saved = tap_conv.CONFIGS, tap_conv.BLOCK_K, tap_conv.enabled, V.decoder_runner, tap_conv.causal_conv
+    tap_conv.CONFIGS = {(8, 8): (512, 4, 2), (16, 16): (512, 4, 2), (4, 3): (512, 4, 2)}
+    tap_conv.BLOCK_K, tap_conv.enabled = 4, enabled
+    V.decoder_runner = lambda device: lambda step, *args: step(*args)
+    tap_conv.causal_conv = lambda cache, x, w, b: calls.append([*x.shape, w.shape[1]]) or conv(cache, x, w, b)
+    try:
+        with vae.chunk_decoder(dtype=torch.float16, compile=True, subpixel=True) as dec:
+            packed = len(dec.decoder.levers.packed)
+            out = torch.cat([dec.decode(latent[:, :1]), dec.decode(latent[:, 1:])], dim=1)
+    finally:
+        tap_conv.CONFIGS, tap_conv.BLOCK_K, tap_conv.enabled, V.decoder_runner, tap_conv.causal_conv = saved
+    return out, calls, packed
+
+
+vae = V.init_random_(V.WanVAE(**{**V.WAN21_VAE_CONFIG, "dim": 4}).eval(), 7)
+latent = torch.randn(16, 3, 5, 6, generator=torch.Generator().manual_seed(3))
+exact = vae.decode(latent)
+with_kernel, kernel_calls, packed = decode_tiny(vae, latent, True)
+without_kernel, no_calls, none_packed = decode_tiny(vae, latent, False)
+conv_cases["decoder"] = {
+    "packed": [packed, none_packed],
+    "calls": kernel_calls,
+    "calls_without": len(no_calls),
+    "rel": float((with_kernel - without_kernel).norm() / without_kernel.norm()),
+    "rel_exact": [float((d - exact).norm() / exact.norm()) for d in (with_kernel, without_kernel)],
+}
 print(
     json.dumps(
-        {"cases": cases, "forward": forward, "usable": usable, "rope_cases": rope_cases, "inputs": inputs}
+        {
+            "cases": cases,
+            "forward": forward,
+            "usable": usable,
+            "rope_cases": rope_cases,
+            "inputs": inputs,
+            "tap_conv": conv_cases,
+        }
     )
 )

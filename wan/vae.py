@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import tap_conv
+
 CACHE_T = 2  # frames of history a k=3 causal conv needs
 
 # Upstream per-channel latent statistics (Wan2_1_VAE): latent = (mu - mean) / std.
@@ -402,14 +404,18 @@ def _fused_norm_silu(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     return F.silu(F.normalize(x.float(), dim=1) * gain).to(x.dtype)
 
 
-def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists. With exactly
-    CACHE_T new frames (every sub-chunk past the temporal upsamples) the next cache is x itself, not a copy."""
-    padded = torch.cat([cache, x], dim=2)
+def _next_cache(cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The last CACHE_T frames of the cached frames then x. With exactly CACHE_T new frames (every sub-chunk past
+    the temporal upsamples) that is x itself, not a copy."""
     if x.shape[2] == CACHE_T:
-        return padded, x
+        return x
     # dense: the next call takes it as it is
-    return padded, padded[:, :, -CACHE_T:].clone(memory_format=_format(padded))
+    return torch.cat([cache, x], dim=2)[:, :, -CACHE_T:].clone(memory_format=_format(x))
+
+
+def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists."""
+    return torch.cat([cache, x], dim=2), _next_cache(cache, x)
 
 
 # residual convs with fewer channels run as one 2-D conv over their time taps (`_tap_conv`)
@@ -433,12 +439,20 @@ def _tap_conv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     return y.unsqueeze(0).transpose(1, 2)  # [1, c, t, H, W] with channels-last-3d's strides, dim 0's included
 
 
+def _causal_conv(x, cache, w, b) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual block's or the head's causal conv of x after its cache -> (out, the next cache). A weight packed
+    by `tap_conv.pack` (`DecoderLevers` packs where `tap_conv.usable`) runs as that Triton kernel, which reads the
+    cache and x where they are: no concatenation, no stacked taps."""
+    if w.dim() == 2:
+        return tap_conv.causal_conv(cache, x, w, b), _next_cache(cache, x)
+    h, cache = _causal_pad(x, cache)
+    return _tap_conv(h, w, b), cache
+
+
 def _residual_step(x, c1, c2, g1, w1, b1, g2, w2, b2, ws, bs):
     """`ResidualBlock.forward` with both caches present, as a pure function -> (out, new c1, new c2)."""
-    h, c1 = _causal_pad(_fused_norm_silu(x, g1), c1)
-    y = _tap_conv(h, w1, b1)
-    h, c2 = _causal_pad(_fused_norm_silu(y, g2), c2)
-    y = _tap_conv(h, w2, b2)
+    y, c1 = _causal_conv(_fused_norm_silu(x, g1), c1, w1, b1)
+    y, c2 = _causal_conv(_fused_norm_silu(y, g2), c2, w2, b2)
     return y + (x if ws is None else F.conv3d(x, ws, bs)), c1, c2
 
 
@@ -465,8 +479,7 @@ def _upsample_step(x, cache, tw, tb, w, b, subpixel: bool):
 
 
 def _head_step(x, cache, gain, w, b):
-    h, cache = _causal_pad(_fused_norm_silu(x, gain), cache)
-    return F.conv3d(h, w, b, padding=(0, 1, 1)), cache
+    return _causal_conv(_fused_norm_silu(x, gain), cache, w, b)
 
 
 def _call_step(step, *args):
@@ -492,11 +505,12 @@ class DecoderLevers:
     input, causal caches and weights that return the new caches (`_residual_step`, `_upsample_step`,
     `_head_step`): each RMS norm + SiLU (in fp32) and the cache concatenation become one pass before the
     conv instead of about seven; with channels-last weights the full-resolution stage's convs run as one 2-D
-    conv over their time taps stacked in the channels (`_tap_conv`). A stream's first latent frame (no caches
-    yet, 1 frame per stage) runs eagerly; from the second on every call has the same shapes and strides (one
-    graph per block shape and frame size, about 10, compiled during the first chunk, none after). The
-    upsamples then run all of a sub-chunk's frames at once instead of frame by frame (without subpixel, the
-    2x input of 2 frames instead of 1 at a time).
+    conv over their time taps stacked in the channels (`_tap_conv`); on a Hopper GPU that stage's convs and
+    the head's run as `tap_conv`'s kernel instead (no concatenation), their weights packed here once. A
+    stream's first latent frame (no caches yet, 1 frame per stage) runs eagerly; from the second on every call
+    has the same shapes and strides (one graph per block shape and frame size, about 10, compiled during the
+    first chunk, none after). The upsamples then run all of a sub-chunk's frames at once instead of frame by
+    frame (without subpixel, the 2x input of 2 frames instead of 1 at a time).
     """
 
     def __init__(self, decoder: Decoder3d, source: Decoder3d | None, runner):
@@ -506,6 +520,14 @@ class DecoderLevers:
         self.fmt = torch.channels_last_3d if cl else torch.contiguous_format
         self.gains = {m: m.gamma.float() * m.scale for m in decoder.modules() if isinstance(m, RMS_norm)}
         self.spatial = {}  # upsampling Resample -> its sub-pixel conv (weight, bias)
+        # compiled residual and head convs that run as `tap_conv`'s kernel -> their packed weights
+        self.packed = {}
+        if runner is not None:
+            convs = [decoder.head[2]]
+            for m in decoder.modules():
+                if isinstance(m, ResidualBlock):
+                    convs += [m.residual[2], m.residual[6]]
+            self.packed = {conv: tap_conv.pack(conv.weight) for conv in convs if tap_conv.usable(conv.weight)}
         if source is not None:
             for m, src in zip(decoder.modules(), source.modules(), strict=True):
                 if isinstance(m, Resample) and m.mode.startswith("upsample"):
@@ -546,10 +568,10 @@ class DecoderLevers:
                 cache[r[2]],
                 cache[r[6]],
                 g1,
-                r[2].weight,
+                self.packed.get(r[2], r[2].weight),
                 r[2].bias,
                 g2,
-                r[6].weight,
+                self.packed.get(r[6], r[6].weight),
                 r[6].bias,
                 ws,
                 bs,
@@ -573,7 +595,8 @@ class DecoderLevers:
         conv = head[2]
         if self.runner is None or conv not in cache:
             return conv(x, cache, pre=_norm_silu(head[0]))
-        y, cache[conv] = self._run(_head_step, x, cache[conv], self.gains[head[0]], conv.weight, conv.bias)
+        weight = self.packed.get(conv, conv.weight)
+        y, cache[conv] = self._run(_head_step, x, cache[conv], self.gains[head[0]], weight, conv.bias)
         return y
 
 

@@ -34,6 +34,12 @@ EXPERT = "high_noise_model_bnb_nf4/model.safetensors"  # the tiny demo checkpoin
 SWAP_CFG = S.tiny_config(num_layers=4)  # the block-swap tests' expert
 
 
+def channels_last_3d(a: torch.Tensor) -> bool:
+    """Whether a 5-D tensor has channels-last-3d's strides, size-1 dims' included (`is_contiguous` ignores those)."""
+    _, c, t, h, w = a.shape
+    return a.stride() == (c * t * h * w, 1, h * w * c, w * c, c)
+
+
 def install_fake_comfy(monkeypatch, ckpt, input_dir):
     """The few ComfyUI runtime modules the nodes import, as plain CPU stand-ins, so the node code runs
     here as it runs in ComfyUI (the real-ComfyUI tests cover the server itself). Returns the pack's nodes

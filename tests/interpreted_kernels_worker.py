@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from helpers import TinyRun  # noqa: E402
+from helpers import TinyRun, channels_last_3d  # noqa: E402
 from lingbot_world.wan import dit, fast, fp8, fp8_gelu, fp8_inputs, qk_rope, tap_conv  # noqa: E402
 from lingbot_world.wan import vae as V  # noqa: E402
 from lingbot_world.wan.devices import power_of_two_blocks  # noqa: E402
@@ -348,11 +348,6 @@ inputs["forward"] = {
 CL3 = torch.channels_last_3d
 
 
-def channels_last(a: torch.Tensor) -> bool:
-    _, c, t, h, w = a.shape
-    return a.stride() == (c * t * h * w, 1, h * w * c, w * c, c)
-
-
 def conv_case(c: int, co: int, dtype, bias: bool = True, frames: int = 4, size=(5, 7), config=None) -> dict:
     """The kernel on x's frames after a cache of 2 against the 3-D conv of the two concatenated (float64);
     `config` tunes an untuned width for the call."""
@@ -372,7 +367,7 @@ def conv_case(c: int, co: int, dtype, bias: bool = True, frames: int = 4, size=(
         "rel": float((y.double() - ref).norm() / ref.norm()),
         "shape": list(y.shape),
         "dtype": str(y.dtype),
-        "channels_last": channels_last(y),
+        "channels_last": channels_last_3d(y),
     }
 
 

@@ -4,6 +4,7 @@ import functools
 
 import pytest
 import torch
+from helpers import channels_last_3d
 from lingbot_world.loaders.vae import load_vae
 from lingbot_world.wan import vae as V
 from safetensors.torch import save_file
@@ -596,12 +597,8 @@ def test_a_narrow_residual_step_runs_both_convs_per_tap_and_keeps_canonical_stri
     y, n1, n2 = V._residual_step(x, c1, c2, gain, w1, b1, gain, w2, b2, None, None)
     assert calls == []
 
-    def canonical(a):  # channels-last-3d's strides, size-1 dims' included (`is_contiguous` ignores those)
-        _, c_, t_, h_, w_ = a.shape
-        return a.stride() == (c_ * t_ * h_ * w_, 1, h_ * w_ * c_, w_ * c_, c_)
-
     assert y.shape == x.shape and n1.shape == n2.shape == (1, c, 2, h, w)
-    assert canonical(y) and canonical(n1) and canonical(n2)
+    assert channels_last_3d(y) and channels_last_3d(n1) and channels_last_3d(n2)
 
 
 def test_a_full_sub_chunk_keeps_its_frames_as_the_cache_and_views_are_not_copied():

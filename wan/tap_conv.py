@@ -27,8 +27,9 @@ from .devices import triton, triton_runs_on
 if triton is not None:
     import triton.language as tl
 
-# (input, output channels) -> (pixels per program, warps, pipeline stages), from an H200 sweep (BENCHMARKS.md):
-# the Wan2.1 decoder's full-resolution residual convs and its head
+# (input, output channels) -> (pixels per program, warps, pipeline stages): the Wan2.1 decoder's full-resolution
+# residual convs, from an H200 sweep, and its head with the same (128 pixels measured no clear gain in the decoder;
+# BENCHMARKS.md)
 CONFIGS = {(96, 96): (256, 4, 3), (96, 3): (256, 4, 3)}
 BLOCK_K = 32  # input channels per step of the reduction (96 is a multiple)
 enabled = True  # the benchmarks' A/B switch (read when a decoder's levers are made)
@@ -115,9 +116,8 @@ if triton is not None:
         inside = offsets < frame_pixels
         row = offsets // width
         col = offsets - row * width
-        j = tl.program_id(
-            1
-        )  # the output frame; its taps read frames j, j+1, j+2 of (the cache's 2, then x's)
+        # the output frame; its taps read frames j, j+1, j+2 of (the cache's 2, then x's)
+        j = tl.program_id(1)
         rk = tl.arange(0, BK)
         acc0 = tl.zeros((BM, N0), tl.float32)
         if N1 > 0:

@@ -404,18 +404,21 @@ def _fused_norm_silu(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
     return F.silu(F.normalize(x.float(), dim=1) * gain).to(x.dtype)
 
 
-def _next_cache(cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The last CACHE_T frames of the cached frames then x. With exactly CACHE_T new frames (every sub-chunk past
-    the temporal upsamples) that is x itself, not a copy."""
+def _next_cache(cache: torch.Tensor, x: torch.Tensor, padded: torch.Tensor | None = None) -> torch.Tensor:
+    """The last CACHE_T frames of the cached frames then x (`padded`: those two concatenated, where made). With
+    exactly CACHE_T new frames (every sub-chunk past the temporal upsamples) that is x itself, not a copy."""
     if x.shape[2] == CACHE_T:
         return x
+    if padded is None:
+        padded = torch.cat([cache, x], dim=2)
     # dense: the next call takes it as it is
-    return torch.cat([cache, x], dim=2)[:, :, -CACHE_T:].clone(memory_format=_format(x))
+    return padded[:, :, -CACHE_T:].clone(memory_format=_format(padded))
 
 
 def _causal_pad(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the cached frames then x, the next cache): what `CausalConv3d` does once its cache exists."""
-    return torch.cat([cache, x], dim=2), _next_cache(cache, x)
+    padded = torch.cat([cache, x], dim=2)
+    return padded, _next_cache(cache, x, padded)
 
 
 # residual convs with fewer channels run as one 2-D conv over their time taps (`_tap_conv`)

@@ -391,12 +391,12 @@ conv_cases = {
 
 def decode_tiny(vae, latent, enabled: bool) -> tuple[torch.Tensor, list, int]:
     """(frames, the kernel's calls as x's shape + output channels, convs packed) of a tiny VAE's fp16 fast decode
-    with its levers run eagerly (the compiled runner's steps, called as they are), the kernel tuned for its 8- and
-    16-channel residual convs and its head (one program a frame: the interpreter is slow per step), or not
-    (`tap_conv.enabled`)."""
+    with its levers run eagerly (the compiled runner's steps, called as they are), the kernel tuned as on a GPU for
+    its full-resolution residual convs (4 -> 4) and its head (4 -> 3) (one program a frame: the interpreter is slow
+    per step), or not (`tap_conv.enabled`)."""
     calls, conv = [], tap_conv.causal_conv
     saved = tap_conv.CONFIGS, tap_conv.BLOCK_K, tap_conv.enabled, V.decoder_runner, tap_conv.causal_conv
-    tap_conv.CONFIGS = {(8, 8): (512, 4, 2), (16, 16): (512, 4, 2), (4, 3): (512, 4, 2)}
+    tap_conv.CONFIGS = {(4, 4): (2048, 4, 2), (4, 3): (2048, 4, 2)}
     tap_conv.BLOCK_K, tap_conv.enabled = 4, enabled
     V.decoder_runner = lambda device: lambda step, *args: step(*args)
     tap_conv.causal_conv = lambda cache, x, w, b: calls.append([*x.shape, w.shape[1]]) or conv(cache, x, w, b)

@@ -426,11 +426,13 @@ TAP_CONV_BELOW = 128
 
 
 def _tap_conv(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """A residual block's 3x3x3 conv (padding 0, 1, 1) on its causally padded input [1, c, t+2, H, W]. cuDNN's
-    3-D kernels are slow at the full-resolution stage's 96 channels: an H100 took 1.90 ms per 2 frames at
-    464x832, three 2-D convs, one per time tap, summed, 1.42 ms, and one 2-D conv over the three taps' frames
-    side by side in the channels (3c in, the taps' weights likewise) 1.05 ms. So a channels-last input with fewer
-    than TAP_CONV_BELOW channels goes that way: one GEMM, one rounding. Equal up to rounding."""
+    """A residual block's or the head's 3x3x3 conv (padding 0, 1, 1) on its causally padded input
+    [1, c, t+2, H, W]. cuDNN's 3-D kernels are slow at the full-resolution stage's 96 channels: an H100 took
+    1.90 ms per 2 frames at 464x832, three 2-D convs, one per time tap, summed, 1.42 ms, and one 2-D conv over
+    the three taps' frames side by side in the channels (3c in, the taps' weights likewise) 1.05 ms. So a
+    channels-last input with fewer than TAP_CONV_BELOW channels goes that way: one GEMM, one rounding. Equal up
+    to rounding. Other convs (the head's, whose output channels differ from its input's, and the wider stages')
+    take cuDNN's 3-D conv."""
     c = w.shape[0]
     if c >= TAP_CONV_BELOW or c != w.shape[1] or h.stride(1) != 1:
         return F.conv3d(h, w, b, padding=(0, 1, 1))

@@ -170,8 +170,15 @@ def causal_conv(
     pixels, warps, stages = CONFIGS[(c, co)]
     cache = cache.contiguous(memory_format=torch.channels_last_3d)
     x = x.contiguous(memory_format=torch.channels_last_3d)
-    y = torch.empty(
-        1, co, frames, height, width, dtype=x.dtype, device=x.device, memory_format=torch.channels_last_3d
+    # the strides given as such: compiled, torch.empty(memory_format=...) becomes a permuted view of a dense
+    # buffer, which inductor does not hand to the kernel to write in place; it made a NaN-filled copy before
+    # each call instead (45 us at 96 channels; BENCHMARKS.md)
+    per_frame = height * width * co
+    y = torch.empty_strided(
+        (1, co, frames, height, width),
+        (frames * per_frame, 1, per_frame, width * co, co),
+        dtype=x.dtype,
+        device=x.device,
     )
     grid = (triton.cdiv(height * width, pixels), frames)
     _causal_conv[grid](

@@ -51,6 +51,13 @@ def power_of_two_blocks(cols: int, count: int) -> tuple[int, ...]:
     return tuple(blocks)
 
 
+def channels_last_3d_strides(shape) -> tuple[int, ...]:
+    """The strides of a dense channels-last-3d tensor of `shape` [n, c, t, h, w] (memory n, t, h, w, c), size-1
+    dims' included: what the fast decoder's compiled steps are keyed by and its conv kernel writes."""
+    _, c, t, h, w = shape
+    return (c * t * h * w, 1, h * w * c, w * c, c)
+
+
 _imported: dict = {}  # optional kernel packages' modules, by name (`kept_import`)
 
 

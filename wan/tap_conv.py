@@ -22,7 +22,7 @@ runs on CPU tensors (the tests).
 
 import torch
 
-from .devices import triton, triton_runs_on
+from .devices import channels_last_3d_strides, triton, triton_runs_on
 
 if triton is not None:
     import triton.language as tl
@@ -173,13 +173,8 @@ def causal_conv(
     # the strides given as such: compiled, torch.empty(memory_format=...) becomes a permuted view of a dense
     # buffer, which inductor does not hand to the kernel to write in place; it made a NaN-filled copy before
     # each call instead (45 us at 96 channels; BENCHMARKS.md)
-    per_frame = height * width * co
-    y = torch.empty_strided(
-        (1, co, frames, height, width),
-        (frames * per_frame, 1, per_frame, width * co, co),
-        dtype=x.dtype,
-        device=x.device,
-    )
+    shape = (1, co, frames, height, width)
+    y = torch.empty_strided(shape, channels_last_3d_strides(shape), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(height * width, pixels), frames)
     _causal_conv[grid](
         cache,

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import tap_conv
+from .devices import channels_last_3d_strides
 
 CACHE_T = 2  # frames of history a k=3 causal conv needs
 
@@ -551,9 +552,9 @@ class DecoderLevers:
         return self.runner(step, *args)
 
     def _canonical(self, a: torch.Tensor) -> torch.Tensor:
-        n, c, t, h, w = a.shape
+        _, c, t, h, w = a.shape
         cl = self.fmt == torch.channels_last_3d
-        want = (c * t * h * w, 1, h * w * c, w * c, c) if cl else (c * t * h * w, t * h * w, h * w, w, 1)
+        want = channels_last_3d_strides(a.shape) if cl else (c * t * h * w, t * h * w, h * w, w, 1)
         if a.stride() == want:
             return a
         if all(s == z or size == 1 for s, z, size in zip(a.stride(), want, a.shape, strict=True)):

@@ -24,6 +24,15 @@ def _find_examples() -> Path | None:
     return None
 
 
+@pytest.fixture(autouse=True)
+def _torch_seeded():
+    """Each test starts from the same global torch generator: data drawn without a generator of its own must not
+    depend on which tests ran before it (or were skipped on this machine)."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def embedding_cache(tmp_path, monkeypatch):
     """A fresh text-embedding cache per test, so no test reads another's encodings."""

@@ -210,9 +210,10 @@ def test_fa3_fp8_takes_queries_from_the_rotating_norm_as_codes(fa3, monkeypatch)
     heads, d, grid = 3, 32, (2, 4, 4)
     attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=2).requires_grad_(False)
     attn.norm_q.weight.data[:d] *= 8  # one loud head: its own bound
-    x = torch.randn(32, heads * d) * 2
+    g = torch.Generator().manual_seed(0)  # not the global generator: the data must not depend on test order
+    x = torch.randn(32, heads * d, generator=g) * 2
     table = dit.rope_table(grid, dit.rope_freqs(d))
-    keys = torch.randn(fp8_attention.MIN_KEYS, heads, d)
+    keys = torch.randn(fp8_attention.MIN_KEYS, heads, d, generator=g)
 
     def run(backend, k=keys):
         with attention.use(backend):
@@ -232,9 +233,15 @@ def test_fa3_fp8_takes_queries_from_the_rotating_norm_as_codes(fa3, monkeypatch)
     with monkeypatch.context() as patch:
         patch.setattr(attention, "takes_query_codes", lambda: False)
         amax = run("fa3_fp8")  # the queries quantized by their own amax, from bf16
-    assert len(made) == 1 and fa3.calls[-1]["descales"][0] is not scale
-    # the looser scale loses nothing measurable: as near the bf16 queries' output as the amax scale's
-    assert rel(out, exact) < 1.25 * rel(amax, exact) < 0.2
+    (amax_codes, *_), (amax_scale, *_) = fa3.calls[-1]["inputs"], fa3.calls[-1]["descales"]
+    assert len(made) == 1 and amax_scale is not scale
+    # the looser scale loses nothing measurable: e4m3 is floating point, so codes well above its subnormals keep
+    # the same relative error; the decoded queries are as near q as the amax scale's (over 40 seeds the ratio
+    # was 0.93-1.08). The attention outputs' errors are one draw of that noise through softmax (their ratio
+    # spread 0.56-1.57 over the same seeds), so they are only held to a loose bound.
+    q_error = rel(q8.float() * scale[0, :, None], q.float())
+    assert q_error < 1.15 * rel(amax_codes[0].float() * amax_scale[0, :, None], q.float())
+    assert rel(out, exact) < 2 * rel(amax, exact) and rel(amax, exact) < 0.2
     run("fa3_fp8", k=keys[:64])  # short keys: bf16 FA3 on the decoded codes
     assert fa3.calls[-1]["dtypes"] == (torch.bfloat16,) * 3 and len(made) == 2
     decoded = (q8.float() * scale[0, :, None]).bfloat16()

@@ -227,7 +227,9 @@ def test_fa3_fp8_takes_queries_from_the_rotating_norm_as_codes(fa3, monkeypatch)
     bound = attn.norm_q.weight.abs().view(heads, d).amax(1) * (heads * d) ** 0.5 / 448
     torch.testing.assert_close(scale[0], bound)
     assert scale[0, 0] > 4 * scale[0, 1:].max() and q8.float().abs().max() < 448  # no code saturates
-    assert rel(q8.float() * scale[0, :, None], q.float()) < 0.04  # e4m3's 3 mantissa bits
+    decoded = q8.float() * scale[0, :, None]
+    q_error = rel(decoded, q.float())
+    assert q_error < 0.04  # e4m3's 3 mantissa bits
     exact = run("fa3")  # bf16 queries, the same rotation
     assert len(made) == 1 and fa3.calls[-1]["dtypes"][0] == torch.bfloat16
     with monkeypatch.context() as patch:
@@ -239,13 +241,11 @@ def test_fa3_fp8_takes_queries_from_the_rotating_norm_as_codes(fa3, monkeypatch)
     # the same relative error; the decoded queries are as near q as the amax scale's (over 40 seeds the ratio
     # was 0.93-1.08). The attention outputs' errors are one draw of that noise through softmax (their ratio
     # spread 0.56-1.57 over the same seeds), so they are only held to a loose bound.
-    q_error = rel(q8.float() * scale[0, :, None], q.float())
     assert q_error < 1.15 * rel(amax_codes[0].float() * amax_scale[0, :, None], q.float())
     assert rel(out, exact) < 2 * rel(amax, exact) and rel(amax, exact) < 0.2
     run("fa3_fp8", k=keys[:64])  # short keys: bf16 FA3 on the decoded codes
     assert fa3.calls[-1]["dtypes"] == (torch.bfloat16,) * 3 and len(made) == 2
-    decoded = (q8.float() * scale[0, :, None]).bfloat16()
-    torch.testing.assert_close(fa3.calls[-1]["inputs"][0][0], decoded)
+    torch.testing.assert_close(fa3.calls[-1]["inputs"][0][0], decoded.bfloat16())
 
 
 def dit_rope_standin(norm, x, table, dtype):

@@ -416,32 +416,52 @@ def test_bench_upstream_v2_refuses_a_folder_without_v2(tmp_path):
     "(git archive 2648877 -- generate.py wan of robbyant/lingbot-world-v2)",
 )
 def test_bench_upstream_v2(tmp_path):
-    s = run_tiny("bench_upstream_v2.py", tmp_path, "--upstream-v2", str(Path(UPSTREAM_V2_DIR).resolve()))
+    # 7 chunks: the window (18 latent frames, chunks of 4) fills in chunks 0-3 and first rolls in chunk 4, so the
+    # steady figures are chunks 5 and 6's
+    s = run_tiny(
+        "bench_upstream_v2.py",
+        tmp_path,
+        "--upstream-v2",
+        str(Path(UPSTREAM_V2_DIR).resolve()),
+        "--chunks",
+        "7",
+    )
     assert s["bench"] == "upstream_v2" and s["device"] == "cpu" and s["model"] == "v2-1.3b"
     assert (
-        s["chunks"] == 5 and s["latent"] == [20, 4, 6] and s["window_sink"] == [18, 6] and s["shift"] == 5.0
+        s["chunks"] == 7 and s["latent"] == [28, 4, 6] and s["window_sink"] == [18, 6] and s["shift"] == 5.0
     )
+    assert s["steady_from_chunk"] == 5
     assert s["upstream_attention"].startswith("SDPA stand-in") and s["ours_attention"] == "sdpa"
     up, ours = s["upstream"], s["ours"]
-    assert up["video_frames"] == ours["video_frames"] == 77  # 13 + 4 x 16: both made the whole clip
+    assert up["video_frames"] == ours["video_frames"] == 109  # 13 + 6 x 16: both made the whole clip
+
+    def mean(values, start):
+        return sum(values[start:]) / len(values[start:])
+
     for run in (up, ours):
-        assert len(run["dit_s"]) == len(run["decode_s"]) == 5 and min(run["dit_s"]) > 0
-        assert run["steady_dit_s"] == pytest.approx(sum(run["dit_s"][1:]) / 4, abs=2e-4)
-        assert run["steady_decode_s"] == pytest.approx(sum(run["decode_s"][1:]) / 4, abs=2e-4)
+        assert len(run["dit_s"]) == len(run["decode_s"]) == 7 and min(run["dit_s"]) > 0
+        assert run["steady_dit_s"] == pytest.approx(mean(run["dit_s"], 5), abs=2e-4)
+        assert run["steady_decode_s"] == pytest.approx(mean(run["decode_s"], 5), abs=2e-4)
         assert run["steady_chunk_s"] == pytest.approx(run["steady_dit_s"] + run["steady_decode_s"], abs=2e-4)
         assert run["fps"] == pytest.approx(16 / run["steady_chunk_s"], rel=1e-3)
+        after_first = mean(run["dit_s"], 1) + mean(run["decode_s"], 1)
+        assert run["after_first_chunk_s"] == pytest.approx(after_first, abs=2e-4)
+        assert run["after_first_fps"] == pytest.approx(16 / run["after_first_chunk_s"], rel=1e-3)
         assert run["peak_vram_gib"] is None  # CPU: nothing on a card to report
-    # upstream decodes the whole clip once, after its last chunk: each chunk's share is a fifth of it
-    assert up["decode_s"] == pytest.approx([up["decode_clip_s"] / 5] * 5, abs=1e-4)
+    # upstream decodes the whole clip once, after its last chunk: each chunk's share is a seventh of it
+    assert up["decode_s"] == pytest.approx([up["decode_clip_s"] / 7] * 7, abs=1e-4)
     for chunk, steps, commit in zip(up["dit_s"], up["steps_s"], up["commit_s"], strict=True):
         assert 0 < commit < chunk and steps == pytest.approx(chunk - commit, abs=3e-4)
     assert s["fps_ours_over_upstream"] == pytest.approx(
         up["steady_chunk_s"] / ours["steady_chunk_s"], rel=1e-2
     )
     assert s["dit_ours_over_upstream"] == pytest.approx(up["steady_dit_s"] / ours["steady_dit_s"], rel=1e-2)
+    assert s["after_first_ours_over_upstream"] == pytest.approx(
+        up["after_first_chunk_s"] / ours["after_first_chunk_s"], rel=1e-2
+    )
     assert s["target_3x"] is (s["fps_ours_over_upstream"] >= 3)
     # the same work was timed: one set of weights, upstream's inputs and noise, fp32 on the CPU
-    assert len(s["rel_dev_per_chunk"]) == 5 and s["max_rel_dev_chunk_latents"] == max(s["rel_dev_per_chunk"])
+    assert len(s["rel_dev_per_chunk"]) == 7 and s["max_rel_dev_chunk_latents"] == max(s["rel_dev_per_chunk"])
     assert 0 <= s["max_rel_dev_chunk_latents"] < 1e-5
 
 

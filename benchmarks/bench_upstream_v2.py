@@ -22,19 +22,20 @@ them, and draws the same noise in the same order from the same seed (FastSession
 upstream's), so the JSON's `max_rel_dev_chunk_latents` (relative L2 difference of each chunk's clean
 latent, the largest over the chunks) shows that the same work was timed.
 
-Timing (torch.cuda.synchronize around every timed region): per chunk, the DiT (4 steps + the commit
-pass; upstream's split into steps and commit is given too) and the decode. Upstream decodes the whole
-clip once after the last chunk (its code); its per-chunk decode is that time / chunks. Steady state =
-the mean over the chunks past the rollout's start (`steady_from_chunk`: the window's fill and its first
-roll, `FastConfig.roll_chunks`, as bench_play.py's steady figures; with no chunk past it, the chunks after
-the first); FPS = 16 frames / (DiT + decode) per chunk. The chunks after the first (13 frames), growing
-ones included, give the `after_first_*` figures: BENCHMARKS.md's sections before 2026-11-29's called those
-steady, and the growing chunks, with fewer keys, ran faster there. One untimed decode of 2 latent frames
-warms the VAE's kernels before upstream's run, whose decode is not spread over chunks that could absorb a
-first call. Peak VRAM per side (both hold the shared weights and VAE). Attention: upstream's flash_attn
-when it imports; otherwise its `flash_attention` (cross-attention) is replaced by the golden script's SDPA
-stand-in and its `attention()` (self-attention) takes its own SDPA fallback; on the CPU both are the golden
-script's fp32 stand-ins. The JSON says which ran. Ours: the active `wan.attention` backend (SDPA).
+Timing (torch.cuda.synchronize around every timed region): per chunk, the DiT (4 steps + the commit pass;
+upstream's split into steps and commit is given too) and the decode. Upstream decodes the whole clip once
+after the last chunk (its code); its per-chunk decode is that time / chunks. Steady state = the mean over
+the chunks past the rollout's start (`steady_from_chunk`: the window's fill and its first roll,
+`FastConfig.roll_chunks`, as bench_play.py's steady figures; with no chunk past it, the chunks after the
+first); FPS = 16 frames / (DiT + decode) per chunk. The chunks after the first (13 frames), growing ones
+included, give the `after_first_*` figures: BENCHMARKS.md's sections before "Upstream's steady state past
+its window's fill" called those steady (the growing chunks, with fewer keys, can run faster). One untimed
+decode of 2 latent frames warms the VAE's kernels before upstream's run, whose decode is not spread over
+chunks that could absorb a first call. Peak VRAM per side (both hold the shared weights and VAE). Attention:
+upstream's flash_attn when it imports; otherwise its `flash_attention` (cross-attention) is replaced by the
+golden script's SDPA stand-in and its `attention()` (self-attention) takes its own SDPA fallback; on the CPU
+both are the golden script's fp32 stand-ins. The JSON says which ran. Ours: the active `wan.attention`
+backend (SDPA).
 
     python benchmarks/bench_upstream_v2.py --scale full --model v2-1.3b --upstream-v2 DIR   # CUDA
     python benchmarks/bench_upstream_v2.py --scale tiny --upstream-v2 DIR                   # CPU, seconds

@@ -235,7 +235,8 @@ def floor_sequence(
     biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
     (SDPA bf16; `attn` 'fp8' / 'fa3' / 'fa3_fp8': that backend's kernel for the self-attention, fp8 operands
     quantized beforehand; cross-attention stays SDPA, as the backends keep short key sets on bf16 kernels);
-    `text_tokens` 0: cross k/v cached (the chunk loop); `camera_once`: the camera's 4 GEMMs per block once for
+    `text_tokens` 0: cross k/v cached (the chunk loop; FA3 then reads the self-attention's keys as a cache aligned
+    right, through the kernel the compiled loop runs, `fa3_attention.CachedRows`); `camera_once`: the camera's 4 GEMMs per block once for
     all `forwards` (the kept camera injections); `fast_accum`: the scaled matmuls' fast accumulation."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
@@ -276,7 +277,7 @@ def floor_sequence(
             (q8, qs), (k8, ks), (v8, vs) = codes[id(q)], codes[id(k)], codes[id(v)]
             torch.ops.lingbot.fp8_attention(q8, k8, v8, qs, ks, vs, vs)
     elif attn in ("fa3", "fa3_fp8"):
-        attend = functools.partial(_fa3_kernel, fa3_operands(attn, q, k, v))
+        attend = functools.partial(_fa3_kernel, fa3_operands(attn, q, k, v, cache=not text_tokens))
 
     def sequence():
         for _ in range(cfg.num_layers * camera_once * 4):
@@ -626,10 +627,15 @@ def _as_blocks_call(backend, q, k, v):
     return out.transpose(0, 1)[None]
 
 
-def fa3_operands(name, q, k, v) -> dict:
+def fa3_operands(name, q, k, v, cache: bool = False) -> dict:
     """FA3's arguments for [1, heads, L, d] q, k, v: [L, heads, d] contiguous, as the blocks hand them over;
-    'fa3_fp8': e4m3 codes with a scale per head (`fa3_attention.head_quantize`), quantized beforehand."""
+    'fa3_fp8': e4m3 codes with a scale per head (`fa3_attention.head_quantize`), quantized beforehand. `cache`: k
+    and v as a full K/V cache aligned right (`fa3_attention.CachedRows` from row 0), as the compiled chunk loop
+    hands its window over."""
     tensors = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    if cache:
+        start = torch.zeros(1, dtype=torch.int32, device=q.device)
+        tensors[1:] = [fa3_attention.CachedRows(t, start) for t in tensors[1:]]
     if name == "fa3":
         return {"tensors": tensors, "descales": {}}
     quantized = [fa3_attention.head_quantize(t) for t in tensors]

@@ -419,15 +419,29 @@ def fake_module(monkeypatch, name: str, module) -> None:
     monkeypatch.setattr(devices, "_imported", {})
 
 
-def fa3_math(q, k, v, q_descale=None, k_descale=None, v_descale=None):
+def fa3_math(q, k, v, q_descale=None, k_descale=None, v_descale=None, keep=None):
     """FlashAttention-3's `flash_attn_func` in plain torch, on [batch, tokens, heads, d]: e4m3 inputs are dequantized
     with their [batch, heads] descales (a missing one is 1, as FA3 takes it) and give bf16, as FA3's fp8 kernel does;
-    others give q's dtype."""
+    others give q's dtype. `keep`: [batch, keys] bool, the keys each batch's queries read (all: None)."""
     fp8 = q.dtype == torch.float8_e4m3fn
     if fp8:
         q, k, v = (
             t.float() * (1 if s is None else s[:, None, :, None])
             for t, s in ((q, q_descale), (k, k_descale), (v, v_descale))
         )
-    o = torch.nn.functional.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)))
+    mask = None if keep is None else keep[:, None, None, :]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().transpose(1, 2) for t in (q, k, v)), attn_mask=mask
+    )
     return o.transpose(1, 2).to(torch.bfloat16 if fp8 else q.dtype)
+
+
+def fa3_cache_math(q, k_cache, v_cache, cache_leftpad=None, num_splits=0, **descales):
+    """FlashAttention-3's `flash_attn_with_kvcache` as our adapter calls it, in plain torch: each batch's queries
+    read its keys from row `cache_leftpad[b]` on (a mask: no host sync, so compiled blocks trace through it)."""
+    assert num_splits == 1, "the adapter asks for one pass over the keys"
+    keep = None
+    if cache_leftpad is not None:
+        assert cache_leftpad.dtype == torch.int32 and cache_leftpad.shape == (q.shape[0],)
+        keep = torch.arange(k_cache.shape[1], device=k_cache.device)[None, :] >= cache_leftpad[:, None]
+    return fa3_math(q, k_cache, v_cache, keep=keep, **descales)

@@ -7,11 +7,11 @@ import types
 
 import pytest
 import torch
-from helpers import fa3_math, fake_module
+from helpers import fa3_cache_math, fa3_math, fake_module
 from lingbot_world import cli
 from lingbot_world.loaders import synthetic as S
 from lingbot_world.session import chunked
-from lingbot_world.wan import fa3_attention, fast, speed
+from lingbot_world.wan import attention, fa3_attention, fast, speed
 from lingbot_world.wan.config import CHUNKED_KINDS
 from lingbot_world.wan.dit import WanModel, init_random_
 from lingbot_world.wan.fast import FastConfig, FastSession, generate_fast
@@ -83,6 +83,7 @@ def test_compiled_chunk_loop_with_flashattention3_is_one_graph_per_block(
     is plain Python, traced inline; the real entry point is a custom op, traced as one node."""
     package = types.ModuleType("flash_attn_interface")
     package.flash_attn_func = fa3_math
+    package.flash_attn_with_kvcache = fa3_cache_math
     fake_module(monkeypatch, "flash_attn_interface", package)
     monkeypatch.setattr(fa3_attention, "MIN_KEYS", 1)  # the tiny window's keys take the fp8 kernel too
     y, ctx, cam = inputs()
@@ -429,3 +430,46 @@ def test_play_compile_compiles_the_fast_decoder(fast_ckpt, shipped_example, deco
         assert session._decoder.decoder.levers is made[1]
     finally:
         session.close()
+
+
+@pytest.mark.parametrize("backend,kv", [("fa3", None), ("fa3_fp8", None), ("fa3_fp8", torch.float8_e4m3fn)])
+def test_flashattention3_chunks_all_run_one_graph_from_the_first_chunk(
+    traced_chunk_blocks, monkeypatch, backend, kv
+):
+    """Compiled with FlashAttention-3 the cache is aligned to its end (FA3 reads it from a start on the device), so
+    the growing chunks have the steady chunks' shapes: the fixed-shape blocks trace at chunk 0's second forward (no
+    growing runner), and one recorded graph, recorded at its third, serves every later forward of every chunk,
+    rolled or not. The chunks equal the compiled loop over upstream's layout (its growing chunks' runner)."""
+    package = types.ModuleType("flash_attn_interface")
+    package.flash_attn_func = fa3_math
+    package.flash_attn_with_kvcache = fa3_cache_math
+    fake_module(monkeypatch, "flash_attn_interface", package)
+    monkeypatch.setattr(fa3_attention, "MIN_KEYS", 1)
+    m = model()
+    y, ctx, cam = inputs()
+    config = FastConfig(**WINDOW, attention=backend, kv_dtype=kv, compile=True)
+    with monkeypatch.context() as patch:  # as another backend has it: upstream's layout, the growing runner
+        patch.setattr(attention, "takes_cached_rows", lambda name: False)
+        want = FastSession(m, ctx, y, LAT, config, "cpu", stream=True)
+    assert want._cache.start is None and want._growing is not None
+    monkeypatch.setattr(fast, "ForwardGraph", RecordedForward)
+    RecordedForward.made = []
+    s = FastSession(m, ctx, y, LAT, config, "cpu", stream=True)
+    assert s._cache.start is not None and s._growing is None
+    s._graphs = True  # CUDA only: RecordedForward keeps the graph's contract on the CPU
+    parts = [cam[:, :, 3 * k : 3 * k + 3] for k in range(5)]
+    wanted = [want.next_chunk(part) for part in parts]
+    assert len(traced_chunk_blocks) == 4  # the reference's growing and fixed-shape graphs
+    graphs_after, devs = [], []
+    for k, part in enumerate(parts):
+        got = s.next_chunk(part)
+        graphs_after.append(len(traced_chunk_blocks))
+        devs.append(((got - wanted[k]).norm() / wanted[k].norm()).item())
+    # this session's two (a bf16 stream into block 0, fp32 after), traced at its chunk 0
+    assert graphs_after == [6] * 5 and not torch._dynamo.utils.counters["graph_break"]
+    # chunk 0: the text's keys (eager), then compiled, then recorded: 3 replays; 5 each for chunks 1-4
+    assert [g.replays for g in RecordedForward.made] == [23]
+    assert devs[0] == 0
+    # an e4m3 cache: chunk 0's commit runs compiled here (eager there), where the q/k kernel writes the keys' codes
+    # rounded once (eager rounds to bf16 first), so a few codes differ by one step in every later chunk's keys
+    assert max(devs) < (5e-3 if kv else 1e-5), devs

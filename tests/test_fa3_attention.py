@@ -7,7 +7,7 @@ import types
 
 import pytest
 import torch
-from helpers import expect_clear_error, fa3_math, fake_module, fast_args
+from helpers import expect_clear_error, fa3_cache_math, fa3_math, fake_module, fast_args
 from lingbot_world import cli
 from lingbot_world.wan import attention, fa3_attention, fp8_attention
 
@@ -34,6 +34,19 @@ class RecordingFA3(types.ModuleType):
         )
         # (out, softmax_lse), as some builds return it
         return fa3_math(q, k, v, q_descale, k_descale, v_descale), None
+
+    def flash_attn_with_kvcache(self, q, k_cache, v_cache, cache_leftpad=None, num_splits=0, **descales):
+        self.calls.append(
+            {
+                "entry": "kvcache",
+                "dtypes": (q.dtype, k_cache.dtype, v_cache.dtype),
+                "shapes": (q.shape, k_cache.shape, v_cache.shape),
+                "inputs": (q, k_cache, v_cache),
+                "descales": tuple(descales.get(f"{t}_descale") for t in "qkv"),
+                "leftpad": cache_leftpad,
+            }
+        )
+        return fa3_cache_math(q, k_cache, v_cache, cache_leftpad, num_splits, **descales)
 
 
 @pytest.fixture
@@ -98,6 +111,38 @@ def test_fa3_fp8_takes_an_fp8_cache_as_stored(fa3):
         *(t.float().transpose(0, 1) for t in (q, k8, v8))
     ).transpose(0, 1)
     assert (out.float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa3_fp8"])
+def test_fa3_reads_a_cache_aligned_right_from_its_start_on_the_device(fa3, backend):
+    """A K/V cache aligned to its end (`wan.fast.SelfKVCache`'s `right`) goes over whole with its start on the
+    device, FA3's cache_leftpad, in one pass (num_splits 1): the same attention as over its rows alone. Another
+    backend gets the rows. An fp8 cache's codes go as stored; a bf16 cache's are quantized whole, and the zeros
+    before the start leave each head's scale as the rows give it."""
+    q, k, v = qkv(lk=fp8_attention.MIN_KEYS + 8)
+    pad = 8
+    k[:pad], v[:pad] = 0, 0  # rows before the start: never written
+    for cache_dtype in (torch.bfloat16, FP8):
+        kc, vc = k.to(cache_dtype), v.to(cache_dtype)
+        start = torch.tensor([pad], dtype=torch.int32)
+        rows = fa3_attention.CachedRows(kc, start), fa3_attention.CachedRows(vc, start)
+        with attention.use(backend):
+            out = attention.attention(q, *rows, torch.bfloat16)
+            want = attention.attention(q, kc[pad:], vc[pad:], torch.bfloat16)
+        cached, plain = fa3.calls[-2:]
+        assert cached["entry"] == "kvcache" and "entry" not in plain
+        assert cached["leftpad"] is start and cached["shapes"][1] == (1, len(k), 3, 16)
+        if backend == "fa3_fp8" and cache_dtype == FP8:  # as stored: the cache itself, no descale
+            assert cached["inputs"][1][0].data_ptr() == kc.data_ptr() and cached["descales"][1:] == (
+                None,
+                None,
+            )
+        for a, b in zip(cached["descales"], plain["descales"], strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+        torch.testing.assert_close(out, want, atol=1e-2, rtol=0)
+        with attention.use("sdpa"):
+            got = attention.attention(q, *rows, torch.float32)
+        assert torch.equal(got, attention.sdpa(q, kc[pad:], vc[pad:], torch.float32))
 
 
 def test_fa3_fp8_leaves_short_key_sets_unquantized(fa3):

@@ -17,6 +17,7 @@ from lingbot_world.loaders.stream import load_expert
 from lingbot_world.wan import attention as attention_backends
 from lingbot_world.wan.block_swap import BlockSwapper
 from lingbot_world.wan.dit import WanModel
+from lingbot_world.wan.fa3_attention import CachedRows
 from lingbot_world.wan.fast import (
     CHUNK_FRAMES,
     FastConfig,
@@ -120,6 +121,25 @@ def test_cache_roll_keeps_sink_and_newest():
     cache = SelfKVCache(1, 9, 1, 1, 0, torch.float32, "cpu")
     k, _ = fill(cache, 0, 3)
     assert k.shape[0] == 3
+
+
+@pytest.mark.parametrize("size,sink", [(6, 3), (7, 3), (8, 2), (9, 0)])
+def test_a_cache_aligned_right_reads_the_same_rows_with_the_chunk_in_its_last_slots(size, sink):
+    """`SelfKVCache(right=True)` (FlashAttention-3, compiled): the rows each forward's queries read are the left
+    cache's, in the same order, chunk after chunk, growing, rolling and re-placed for a chunk's next forward; the
+    chunk's slots are always the last 3 and the rows before `start` are zeros."""
+    left = SelfKVCache(1, size, 1, 1, sink, torch.float32, "cpu")
+    right = SelfKVCache(1, size, 1, 1, sink, torch.float32, "cpu", right=True)
+    assert left.start is None and right.start.dtype == torch.int32
+    for c in range(6):
+        for step in range(2):  # the chunk's next forward: the same placement, its own slots overwritten
+            want, _ = fill(left, 3 * c, 3, value_offset=step / 2)
+            got, got_v = fill(right, 3 * c, 3, value_offset=step / 2)
+            assert isinstance(got, CachedRows) and got.full is right.k[0] and got.start is right.start
+            assert torch.equal(got.rows(), want) and torch.equal(got_v.rows(), -want), (c, step)
+            assert right.span == (size - 3, size) and int(right.start[0]) == size - len(want)
+            assert not right.k[0][: size - len(want)].any()
+            assert right.rolled == left.rolled and right.local_end == left.local_end
 
 
 def test_an_e4m3_cache_asks_for_its_keys_as_it_stores_them():
@@ -413,3 +433,17 @@ def test_hooks_progress_and_interrupt_frees_caches():
     assert torch.equal(s.latent(), first)
     with pytest.raises(RuntimeError, match="closed"):
         s.next_chunk(cam[:, :, 3:6])
+
+
+def test_rows_move_towards_the_start_in_place_as_a_copy_through_a_clone_would():
+    from lingbot_world.wan.fast import move_rows
+
+    for rows, src, dst in ((8, 10, 6), (12, 6, 2), (3, 9, 0), (5, 6, 5), (4, 4, 0)):
+        t = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+        want = t.clone()
+        want[dst : dst + rows] = t[src : src + rows].clone()
+        ptr = t.data_ptr()
+        move_rows(t, src, dst, rows)
+        assert torch.equal(t, want) and t.data_ptr() == ptr, (rows, src, dst)
+    with pytest.raises(ValueError, match="towards the start"):
+        move_rows(torch.zeros(4, 1), 0, 2, 1)

@@ -157,6 +157,12 @@ def takes_query_codes() -> bool:
     return _active is fa3_attention.attention_fp8
 
 
+def takes_cached_rows(name: str) -> bool:
+    """Whether backend `name` reads a K/V cache aligned to its end from a start on the device
+    (`fa3_attention.CachedRows`, FlashAttention-3's): such a cache gives the chunk loop one graph for every chunk."""
+    return _BACKENDS.get(name) in _FA3
+
+
 @contextlib.contextmanager
 def use(name: str):
     """Run the enclosed code with backend `name` active; the previous one is restored on exit."""
@@ -170,5 +176,8 @@ def use(name: str):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[L, heads, d] inputs through the active backend (SDPA unless `use` says otherwise)."""
+    """[L, heads, d] inputs through the active backend (SDPA unless `use` says otherwise). Keys and values as
+    `fa3_attention.CachedRows` reach the FA3 backends as they are and the others as their rows."""
+    if isinstance(k, fa3_attention.CachedRows) and _active not in _FA3:
+        k, v = k.rows(), v.rows()
     return _active(q, k, v, dtype)

@@ -19,6 +19,11 @@ is not on PyPI).
   root-mean-square size).
   Lossy: the benchmark reports the deviation.
 
+A K/V cache aligned to its end (`wan.fast.SelfKVCache`'s `right`) hands its keys and values over whole as
+`CachedRows`, with the first row its queries read as a tensor on the device: FA3 takes that as its `cache_leftpad`
+(`flash_attn_with_kvcache`, the kernel's varlen path) and reads the rows from there on, so the shapes and the
+recorded graph are the same whatever the cache holds. Rows before it never enter the result.
+
 FA3 3.0's entry point is a registered custom op with a fake implementation, so compiled blocks trace through it
 without a graph break (an older build that calls its extension directly would break the graph there); its module
 is looked up through `devices.kept_import`, since an import inside a compiled block breaks the graph too. FA3 runs
@@ -62,19 +67,57 @@ class HeadCodes(NamedTuple):
         return (self.codes.float() * self.scale[0, :, None]).to(dtype)
 
 
+class CachedRows(NamedTuple):
+    """A K/V cache's keys or values [size, heads, d] handed over whole, read from row `start[0]` on (`start`: int32
+    [1] on the device; module docstring). Backends other than FA3's read `rows()`, which waits for the device."""
+
+    full: torch.Tensor
+    start: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.full.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.full.dtype
+
+    def rows(self) -> torch.Tensor:
+        return self.full[int(self.start[0]) :]
+
+    def to(self, dtype: torch.dtype) -> "CachedRows":
+        return CachedRows(self.full.to(dtype), self.start)
+
+
 def head_quantize(t) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(e4m3 codes [L, heads, d], fp32 [1, heads] scales): one scale per head; `HeadCodes` as they are; an fp8
-    cache's values as stored, at scale 1, with no scale (FA3 takes a missing descale as 1: no tensor of ones)."""
+    cache's values as stored, at scale 1, with no scale (FA3 takes a missing descale as 1: no tensor of ones).
+    `CachedRows` stay so, their codes over the whole cache (the rows before `start` are zeros: no scale changes)."""
     if isinstance(t, HeadCodes):
         return t
+    if isinstance(t, CachedRows):
+        codes, scale = head_quantize(t.full)
+        return CachedRows(codes, t.start), scale
     if t.dtype == FP8:
         return t.contiguous(), None
     return fp8_attention.quantize(t, per_head=True)
 
 
 def flash(q, k, v, **descales) -> torch.Tensor:
-    """FA3 over [L, heads, d] (batch 1); its output [Lq, heads, d]."""
-    out = interface().flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **descales)
+    """FA3 over [L, heads, d] (batch 1), keys and values as tensors or `CachedRows`; its output [Lq, heads, d]."""
+    fa = interface()
+    if isinstance(k, CachedRows):
+        # num_splits 1: one pass over the keys, as flash_attn_func makes it (this entry would pick splits itself)
+        out = fa.flash_attn_with_kvcache(
+            q.unsqueeze(0),
+            k.full.unsqueeze(0),
+            v.full.unsqueeze(0),
+            cache_leftpad=k.start,
+            num_splits=1,
+            **descales,
+        )
+    else:
+        out = fa.flash_attn_func(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **descales)
     out = out[0] if isinstance(out, tuple) else out  # some versions return (out, softmax_lse)
     return out[0]
 
@@ -84,7 +127,7 @@ HALF = (torch.bfloat16, torch.float16)  # FA3's kernels take these; an fp32 mode
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The ``fa3`` backend: inputs cast to `dtype` (bf16 where `dtype` is not a half type; an fp8 cache's values
-    too), [Lq, heads, d] out in `dtype`."""
+    too, `CachedRows` whole), [Lq, heads, d] out in `dtype`."""
     work = dtype if dtype in HALF else torch.bfloat16
     q = q.decoded(work) if isinstance(q, HeadCodes) else q
     return flash(*(t.to(work) for t in (q, k, v))).to(dtype)

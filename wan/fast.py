@@ -49,6 +49,7 @@ from .config import (
     max_frame_num,
 )
 from .dit import Bidirectional
+from .fa3_attention import CachedRows
 from .pipeline import Hooks
 from .schedulers import sampling_sigmas
 
@@ -220,6 +221,18 @@ def kv_cache_bytes_for(
     ) + camera_cache_bytes(config, lat_shape, fast, compute_dtype, ranks)
 
 
+def move_rows(t: torch.Tensor, src: int, dst: int, rows: int) -> None:
+    """t[dst : dst + rows] = t[src : src + rows] for dst < src (the ranges may overlap), in place: blocks of src - dst
+    rows from the first on, none overlapping its own source, each source read before a later block writes over it
+    (one stream). Half the bytes of a copy through a clone, and nothing allocated."""
+    step = src - dst
+    if step <= 0:
+        raise ValueError(f"move_rows moves rows towards the start: dst {dst} must be below src {src}")
+    for a in range(0, rows, step):
+        n = min(step, rows - a)
+        t[dst + a : dst + a + n] = t[src + a : src + a + n]
+
+
 class SelfKVCache:
     """Per-layer self-attention keys and values [tokens, heads, head_dim] with upstream's indices.
 
@@ -231,9 +244,15 @@ class SelfKVCache:
     compute dtype, or the fp8 backend takes them as they are). The placement is plain integers, fixed per chunk and the
     same for every chunk once the window is full: the fixed-shape compiled blocks see constants (live play's
     growing chunks' blocks see symbols), no host sync.
+
+    `right` (FlashAttention-3's backends, compiled): the cache holds the same rows aligned to its end instead of its
+    start, so the chunk's slots are the last `n` for every chunk, growing or not, and the past sits before them from
+    row `start[0]`, a tensor on the device that FA3 reads (`CachedRows`, its cache_leftpad). One compiled graph and
+    one recorded CUDA graph then serve every chunk from the first. The rows before `start` are zeros (never
+    written) until the window fills; from then on `start` is 0 and the layout is upstream's.
     """
 
-    def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, device):
+    def __init__(self, num_layers, tokens, heads, head_dim, sink_tokens, dtype, device, right=False):
         self.size, self.sink = tokens, sink_tokens
         self.dtype = dtype
         shape = (tokens, heads, head_dim)
@@ -244,6 +263,8 @@ class SelfKVCache:
         self.span = (0, 0)  # token slots [a, b) of the chunk being made (`begin`)
         self.rolled = False  # a chunk evicted: every later chunk has the same placement (the window is full)
         self._limit = torch.finfo(dtype).max if dtype.itemsize == 1 else None  # fp8: no inf, saturate
+        # aligned right: the first row the queries read, on the device (None: aligned left, upstream's layout)
+        self.start = torch.zeros(1, dtype=torch.int32, device=device) if right else None
 
     def placement(self, start: int, n: int) -> tuple[int, int]:
         """(evicted tokens, local end) for a chunk of n tokens at clip position `start`."""
@@ -274,14 +295,23 @@ class SelfKVCache:
             raise RuntimeError(
                 f"KV cache placement out of range: {local_end - n}..{local_end} of {self.size}"
             )
+        right = self.start is not None
+        # the past's rows (the sink, then what the eviction keeps) from where they are to where this chunk has them
+        was, now = (self.size - self.local_end, self.size - local_end) if right else (0, 0)
         if evicted:
             keep = self.local_end - evicted - self.sink
-            src = self.sink + evicted
-            for cache in self.k + self.v:
-                cache[self.sink : self.sink + keep] = cache[src : src + keep].clone()
+            moves = ((was, now, self.sink), (was + self.sink + evicted, now + self.sink, keep))
             self.rolled = True
+        else:
+            moves = ((was, now, local_end - n),)
+        for src, dst, rows in moves:
+            if src != dst and rows > 0:
+                for cache in self.k + self.v:
+                    move_rows(cache, src, dst, rows)
         self.global_end, self.local_end = start + n, local_end
-        self.span = (local_end - n, local_end)
+        self.span = (now + local_end - n, now + local_end)
+        if right:
+            self.start.fill_(now)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | None = None):
         """`store` into layer `layer`; `start` given: `begin` the chunk there first (a no-op for its later
@@ -292,10 +322,12 @@ class SelfKVCache:
 
     def store(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write a chunk's keys and values into one layer's cache at `span`; returns what its queries attend to,
-        the cache up to the chunk's end, in the cache's dtype."""
+        the cache up to the chunk's end, in the cache's dtype (aligned right: the whole cache, as `CachedRows`)."""
         a, b = self.span
         for cache, new in ((k_cache, k), (v_cache, v)):
             cache[a:b] = self._store(new)
+        if self.start is not None:
+            return CachedRows(k_cache, self.start), CachedRows(v_cache, self.start)
         return k_cache[:b], v_cache[:b]
 
     def advance(self, start: int, n: int) -> None:
@@ -369,7 +401,8 @@ class ChunkBlocks:
     chunk that evicts, and never again: two (a bf16 residual stream into block 0, fp32 after). Whole clips run
     the chunks before it eagerly (their key lengths grow chunk by chunk); live play, which starts every rollout
     with them, runs them from the second chunk through a second one, of `speed.run_growing_chunk_block`, whose
-    two graphs take the cache's placement as symbols."""
+    two graphs take the cache's placement as symbols. A cache aligned right (`SelfKVCache`'s `right`) has fixed
+    shapes from the first chunk: its graphs are traced at the first chunk's second forward and serve every chunk."""
 
     # each block hands its FFN update to the next block's graph (`WanAttentionBlock.forward`'s `defer`); the
     # bidirectional runner does not: its update would stay alive through the next block, [L, dim] more at peak
@@ -482,6 +515,8 @@ class FastSession:
 
         dtype = model.compute_dtype
         blk = model.blocks[0].self_attn
+        # compiled with FlashAttention-3: the cache aligned to its end, so every chunk's blocks have the same shapes
+        right = config.compile and sp is None and attention.takes_cached_rows(config.attention)
         self._cache = SelfKVCache(
             len(model.blocks),
             self.frame_seqlen * cache_frames(lat_f, config),
@@ -490,6 +525,7 @@ class FastSession:
             config.sink_size * self.frame_seqlen if config.local_attn_size != -1 else 0,
             config.kv_dtype or dtype,
             self.device,
+            right=right,
         )
         self._kv = ChunkCausal(self._cache, len(model.blocks))
         if config.camera_cache is True:
@@ -524,8 +560,9 @@ class FastSession:
                 )
             self._runner = None if blocks is None else ChunkBlocks(blocks)
             # live play's chunks before the window is full (each rollout's first), compiled with symbolic placement
-            # (play traces them in its unseen warm-up); a whole clip's and sequence parallel's run eagerly
-            growing = stream and blocks is not None and sp is None
+            # (play traces them in its unseen warm-up); a whole clip's and sequence parallel's run eagerly; a cache
+            # aligned right needs none: its chunks all run the fixed-shape blocks
+            growing = stream and blocks is not None and sp is None and not right
             growing = speed.chunk_block_runner(self.device, growing=True) if growing else None
             self._growing = None if growing is None else ChunkBlocks(growing)
         self._chunks: list[torch.Tensor] = []
@@ -549,15 +586,16 @@ class FastSession:
         device (`cam_tokens`: the chunk's, the same for all its forwards): the model's one forward with RoPE
         from the chunk's first frame and the chunk-causal keys. Compiled blocks (`FastConfig.compile`) run once
         the window is full and the text's keys exist; in live play (`stream`) also the chunks from the second on
-        before that, through the growing chunks' runner."""
+        before that, through the growing chunks' runner. With a cache aligned right (FlashAttention-3) the shapes
+        are fixed from the first chunk: every forward after the text's keys runs the fixed-shape blocks."""
         m, kv = self.model, self._kv
         first = kv.text[-1] is None  # the first forward (or the first after set_context): the text's keys
         context = m.embed_text(self._context) if first else None
-        rolled = self._cache.rolled
+        fixed = self._cache.rolled or self._cache.start is not None  # the blocks' shapes stay as they are now
         # the growing runner from chunk 1: at chunk 0 the cache's first slot, 0, would trace as a constant
-        run = None if first else self._runner if rolled else self._growing if chunk else None
+        run = None if first else self._runner if fixed else self._growing if chunk else None
         with attention.use(self.config.attention), fp8.accumulation(self.config.fp8_accum):
-            if run is not None and rolled and self._graphs and not run.failed:
+            if run is not None and fixed and self._graphs and not run.failed:
                 return self._graphed(run, latent, t, chunk, cam_tokens)
             return m.forward_tokens(
                 latent,
@@ -571,8 +609,8 @@ class FastSession:
             )
 
     def _graphed(self, run, latent, t, chunk: int, cam_tokens) -> torch.Tensor:
-        """A steady forward (the window full, the text's keys made, the blocks compiled) through the session's CUDA
-        graph: the first runs as it is (the compiled blocks may still trace), the next records the graph, and
+        """A forward of fixed shapes (the window full or the cache aligned right, the text's keys made, the blocks
+        compiled) through the session's CUDA graph: the first runs as it is (the compiled blocks may still trace), the next records the graph, and
         that one and every later forward replay it with their inputs (latent, condition, timestep, RoPE table from
         the chunk's first frame, camera tokens) copied into its buffers. The same kernels as without it, bit for
         bit; what it saves is the host's launch work (measured in BENCHMARKS.md). A refused recording logs one

@@ -236,8 +236,9 @@ def floor_sequence(
     (SDPA bf16; `attn` 'fp8' / 'fa3' / 'fa3_fp8': that backend's kernel for the self-attention, fp8 operands
     quantized beforehand; cross-attention stays SDPA, as the backends keep short key sets on bf16 kernels);
     `text_tokens` 0: cross k/v cached (the chunk loop; FA3 then reads the self-attention's keys as a cache aligned
-    right, through the kernel the compiled loop runs, `fa3_attention.CachedRows`); `camera_once`: the camera's 4 GEMMs per block once for
-    all `forwards` (the kept camera injections); `fast_accum`: the scaled matmuls' fast accumulation."""
+    right, through the entry the compiled loop runs, `fa3_attention.CachedRows`); `camera_once`: the camera's 4
+    GEMMs per block once for all `forwards` (the kept camera injections); `fast_accum`: the scaled matmuls' fast
+    accumulation."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
 

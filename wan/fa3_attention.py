@@ -11,6 +11,7 @@ is not on PyPI).
   unlike cuDNN's kernel on Hopper). An fp8 K/V cache hands its e4m3 keys and values over as stored, at scale 1:
   they go without descales (FA3 takes a missing one as 1).
   Short key sets (the text's 512 in cross-attention) run ``fa3``: the quantization would cost more than it saves.
+  A cache handed over whole (`CachedRows`, below) counts as its size.
   Where q and k are normed and rotated by `wan.qk_rope`'s kernel (compiled blocks), q comes out of that kernel as
   e4m3 codes (`HeadCodes`), each head at a fixed scale: a bound of |q| from its norm's weight (sqrt(width) times
   the head's largest |weight|, over 448; `qk_rope.head_bound_scale`) in place of the head's amax, which would take
@@ -178,9 +179,12 @@ def _cuda_problem(name: str, index: int) -> str | None:
         return f"attention '{name}': {err}. Instead: {fallback(name, device)}"
     try:  # a build may leave out a dtype or head size: the model's (head_dim 128) kernels once
         x = torch.ones(MIN_KEYS, 1, 128, device=device)
-        attention(x, x, x, torch.bfloat16)  # bf16: fa3, and fa3_fp8's short key sets
-        if name == "fa3_fp8":
-            attention_fp8(x, x, x, torch.bfloat16)
+        # the cache entry too (the compiled chunk loops' `CachedRows`): a build without its varlen kernels lacks it
+        rows = CachedRows(x, torch.zeros(1, dtype=torch.int32, device=device))
+        for k in (x, rows):
+            attention(x, k, k, torch.bfloat16)  # bf16: fa3, and fa3_fp8's short key sets
+            if name == "fa3_fp8":
+                attention_fp8(x, k, k, torch.bfloat16)
         torch.cuda.synchronize(index)
     except Exception as err:  # the extension declines in several exception types
         first = (str(err).strip().splitlines() or [""])[0][:300]

@@ -289,7 +289,9 @@ class SelfKVCache:
 
     def begin(self, start: int, n: int) -> None:
         """Place a chunk of n tokens at clip token `start`, once for all its forwards and layers (the placement is
-        the same for each): a chunk that overflows rolls every layer's cache first; `span` is then its slots."""
+        the same for each): a chunk that overflows rolls every layer's cache first (aligned right, every new chunk
+        also shifts the past towards the start by its length); `span` is then its slots. Placing the same chunk
+        again moves nothing."""
         evicted, local_end = self.placement(start, n)
         if local_end - n < 0 or local_end > self.size:
             raise RuntimeError(
@@ -329,10 +331,6 @@ class SelfKVCache:
         if self.start is not None:
             return CachedRows(k_cache, self.start), CachedRows(v_cache, self.start)
         return k_cache[:b], v_cache[:b]
-
-    def advance(self, start: int, n: int) -> None:
-        _, self.local_end = self.placement(start, n)
-        self.global_end = start + n
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -610,9 +608,9 @@ class FastSession:
 
     def _graphed(self, run, latent, t, chunk: int, cam_tokens) -> torch.Tensor:
         """A forward of fixed shapes (the window full or the cache aligned right, the text's keys made, the blocks
-        compiled) through the session's CUDA graph: the first runs as it is (the compiled blocks may still trace), the next records the graph, and
-        that one and every later forward replay it with their inputs (latent, condition, timestep, RoPE table from
-        the chunk's first frame, camera tokens) copied into its buffers. The same kernels as without it, bit for
+        compiled) through the session's CUDA graph: the first runs as it is (the compiled blocks may still trace),
+        the next records the graph, and that one and every later forward replay it with their inputs (latent,
+        condition, timestep, RoPE table from the chunk's first frame, camera tokens) copied into its buffers. The same kernels as without it, bit for
         bit; what it saves is the host's launch work (measured in BENCHMARKS.md). A refused recording logs one
         line and leaves the session on the compiled blocks."""
         m, p = self.model, self.model.patch_size

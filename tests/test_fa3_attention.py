@@ -4,6 +4,7 @@ records every call and computes what FA3 computes from what it is handed; the re
 (no CUDA here; another card; the package missing), in the CLI and the Speed node; the memory plan's copies."""
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +302,20 @@ def dit_rope_standin(norm, x, table, dtype):
     tokens = x.shape[0]
     grid = (1, 1, tokens)
     return dit.rope_apply(norm(x).view(tokens, heads, -1), grid, table, dtype).flatten(1)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa3_fp8"])
+def test_the_chunk_floor_times_the_cache_entry_the_compiled_loop_runs(fa3, monkeypatch, backend):
+    """`bench_fp8`'s floor for the chunk loops hands FA3 the keys as a whole cache read from row 0 (the compiled
+    loop's `CachedRows`), the same attention as the plain call on the same operands."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_fp8
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, n, 16, generator=g) for n in (24, 40, 40))
+    plain = bench_fp8._fa3_kernel(bench_fp8.fa3_operands(backend, q, k, v))
+    cached = bench_fp8._fa3_kernel(bench_fp8.fa3_operands(backend, q, k, v, cache=True))
+    first, second = fa3.calls[-2:]
+    assert "entry" not in first and second["entry"] == "kvcache" and second["leftpad"].tolist() == [0]
+    assert second["shapes"] == first["shapes"] and cached.shape == plain.shape == (1, 3, 24, 16)
+    torch.testing.assert_close(cached, plain, atol=1e-5, rtol=0)

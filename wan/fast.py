@@ -610,9 +610,9 @@ class FastSession:
         """A forward of fixed shapes (the window full or the cache aligned right, the text's keys made, the blocks
         compiled) through the session's CUDA graph: the first runs as it is (the compiled blocks may still trace),
         the next records the graph, and that one and every later forward replay it with their inputs (latent,
-        condition, timestep, RoPE table from the chunk's first frame, camera tokens) copied into its buffers. The same kernels as without it, bit for
-        bit; what it saves is the host's launch work (measured in BENCHMARKS.md). A refused recording logs one
-        line and leaves the session on the compiled blocks."""
+        condition, timestep, RoPE table from the chunk's first frame, camera tokens) copied into its buffers. The
+        same kernels as without it, bit for bit; what it saves is the host's launch work (measured in
+        BENCHMARKS.md). A refused recording logs one line and leaves the session on the compiled blocks."""
         m, p = self.model, self.model.patch_size
         _, lat_h, lat_w = self.lat_shape
         grid = (self.chunk // p[0], lat_h // p[1], lat_w // p[2])

@@ -230,6 +230,7 @@ def floor_sequence(
     attn: str = "sdpa",
     camera_once: bool = False,
     fast_accum: bool = False,
+    keys_only: int = 0,
 ) -> float:
     """Sustained seconds of the kernels alone, back to back: per block the GEMMs at the real shapes with their
     biases (fp8: scaled matmuls on operands quantized beforehand) and self- (q vs kv tokens) and cross-attention
@@ -238,7 +239,8 @@ def floor_sequence(
     `text_tokens` 0: cross k/v cached (the chunk loop; FA3 then reads the self-attention's keys as a cache aligned
     right, through the entry the compiled loop runs, `fa3_attention.CachedRows`); `camera_once`: the camera's 4
     GEMMs per block once for all `forwards` (the kept camera injections); `fast_accum`: the scaled matmuls' fast
-    accumulation."""
+    accumulation; `keys_only`: that many of the blocks run their k and v projections alone (the compiled chunk loop's
+    commit pass, whose last block makes only its keys: `WanModel.forward_tokens`' `keys_only`)."""
     dt, dim, ffn, heads = torch.bfloat16, cfg.dim, cfg.ffn_dim, cfg.num_heads
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -281,9 +283,9 @@ def floor_sequence(
         attend = functools.partial(_fa3_kernel, fa3_operands(attn, q, k, v, cache=not text_tokens))
 
     def sequence():
-        for _ in range(cfg.num_layers * camera_once * 4):
+        for _ in range(cfg.num_layers * camera_once * 4 + keys_only * 2):
             gemm(x, w_sq, b_dim)
-        for _ in range(cfg.num_layers * forwards):
+        for _ in range(cfg.num_layers * forwards - keys_only):
             for a, w, b, count in gemms:
                 for _ in range(count):
                     gemm(a, w, b)
@@ -294,24 +296,27 @@ def floor_sequence(
     return min(timed(sequence, device, 2))
 
 
-def floors(cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates, paths: tuple = ()) -> dict:
+def floors(
+    cfg, q_tokens, kv_tokens, text_tokens, device, forwards, rates, paths: tuple = (), chunk: bool = False
+) -> dict:
     """Each precision's and attention kernel's sustained floor (`floor_sequence`), and for the `paths` with the
-    kept camera injections or fast accumulation theirs: the camera's GEMMs once, the fp8 GEMMs accumulating fast
-    (`floor_key`)."""
+    kept camera injections, fast accumulation or (`chunk` loops, compiled) the commit pass's keys-only last block
+    theirs: the camera's GEMMs once, the fp8 GEMMs accumulating fast, that block's k and v alone (`floor_key`)."""
     out = {}
     runs = [("bf16", False, "sdpa"), ("fp8", True, "sdpa")]
     for tag, attn in ATTENTION_TAGS.items():
         if attention.problem(attn, device) is None:
             runs += [(f"bf16{tag}", False, attn), (f"fp8{tag}", True, attn)]
-    runs = [(f"{name}_sustained_s", use_fp8, attn, False, False) for name, use_fp8, attn in runs]
+    runs = [(f"{name}_sustained_s", use_fp8, attn, False, False, 0) for name, use_fp8, attn in runs]
     for path in paths:
         options = path_options(path)
+        keys_only = int(chunk and keys_only_commit(path))
         spec = (options["fp8"], options["attention"], camera_cached(path), options["fp8_accum"] == "fast")
-        if spec[2] or spec[3]:
-            runs.append((floor_key(path), *spec))
-    for key, use_fp8, attn, once, fast in dict.fromkeys(runs):
+        if spec[2] or spec[3] or keys_only:
+            runs.append((floor_key(path, chunk), *spec, keys_only))
+    for key, use_fp8, attn, once, fast, keys_only in dict.fromkeys(runs):
         seq = floor_sequence(
-            cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn, once, fast
+            cfg, q_tokens, kv_tokens, text_tokens, device, forwards, use_fp8, attn, once, fast, keys_only
         )
         out[key] = round(seq, 5)
     # the GEMM FLOPs at each precision's sustained rate, plus the attention of the bf16 floor's kernels
@@ -375,12 +380,19 @@ def base_cam(args, device, rates) -> dict:
     return out
 
 
-def floor_key(path: str) -> str:
-    """The `floors` entry a path is measured against (its Linears' precision; its attention kernel)."""
+def keys_only_commit(path: str) -> bool:
+    """Whether a chunk loop's path runs its commit pass's last block for its keys alone (compiled loops do)."""
+    return "compiled" in path
+
+
+def floor_key(path: str, chunk: bool = False) -> str:
+    """The `floors` entry a path is measured against (its Linears' precision; its attention kernel; in a `chunk`
+    loop, the commit pass's keys-only last block)."""
     prec = "fp8" if path.startswith("fp8") else "bf16"
     tag = next((tag for tag in ATTENTION_TAGS if tag in path), "")
     cams = CAMS if camera_cached(path) else ""
-    return f"{prec}{tag}{cams}{FASTACC if FASTACC in path else ''}_sustained_s"
+    keys = "_commitkeys" if chunk and keys_only_commit(path) else ""
+    return f"{prec}{tag}{cams}{FASTACC if FASTACC in path else ''}{keys}_sustained_s"
 
 
 class ChunkTimer(Hooks):
@@ -420,7 +432,9 @@ def v2_case(kind_name, args, device, rates) -> dict:
     if config.local_attn_size == -1:
         window, sink = PLAY_WINDOW
         config = dataclasses.replace(config, local_attn_size=window, sink_size=sink)
-    warm = config.roll_chunks  # the last warm chunk is the first that evicts (and compiles)
+    # the first chunk that evicts compiles (over upstream's layout); the one after it records the commit pass's graph
+    compile_chunk = config.roll_chunks - 1
+    warm = config.roll_chunks + 1
     timed_end = warm + TIMED_CHUNKS
     # `--profile`: one more steady chunk, run under the profiler after the timed ones
     chunks = timed_end + any(name in args.paths for name in args.profile)
@@ -494,7 +508,7 @@ def v2_case(kind_name, args, device, rates) -> dict:
         eager = "fp8" if options["fp8"] else "bf16"
         if compiled:
             out[name]["compiled"] = not speed._shared_runners[speed.run_chunk_block].failed
-            out[name]["compile_chunk_s"] = out[name]["chunks_s"][warm - 1]
+            out[name]["compile_chunk_s"] = out[name]["chunks_s"][compile_chunk]
         if name != eager and eager in latents:
             out[name]["last_chunk_deviation_from_eager"] = deviation(xs[-1], latents[eager][-1])
             out[f"{name}_over_{eager}"] = round(out[name]["chunk_s"] / out[eager]["chunk_s"], 3)
@@ -511,9 +525,9 @@ def v2_case(kind_name, args, device, rates) -> dict:
     forwards = len(config.timestep_index) + 1
     kv = min(out["kv_tokens_when_full"], out["q_tokens"] * timed_end) or out["q_tokens"]
     timed = [name for name in PATHS if "chunk_s" in out[name]]
-    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates, timed)
+    out["floor"] = floors(cfg, out["q_tokens"], kv, 0, device, forwards, rates, timed, chunk=True)
     for name in PATHS:
-        floor = out["floor"].get(floor_key(name))
+        floor = out["floor"].get(floor_key(name, chunk=True))
         if "chunk_s" in out[name] and floor:
             out[f"{name}_over_sustained_floor"] = round(out[name]["chunk_s"] / floor, 3)
     del model

@@ -270,8 +270,8 @@ def counting_blocks():
 def record_forwards(session: FastSession) -> list:
     flows, forward = [], session._forward
 
-    def rec(*args):
-        out = forward(*args)
+    def rec(*args, **kwargs):
+        out = forward(*args, **kwargs)
         flows.append(out)
         return out
 

@@ -482,7 +482,7 @@ def test_bench_fp8(tmp_path):
     for kind in ("v2-1.3b", "v2-14b"):
         v2 = s[kind]
         assert v2["chunk_frames"] == 4 and v2["window"] == 18 and v2["sink"] == 6
-        assert len(v2["bf16"]["chunks_s"]) == len(v2["fp8"]["chunks_s"]) == 8
+        assert len(v2["bf16"]["chunks_s"]) == len(v2["fp8"]["chunks_s"]) == 9
         assert v2["bf16"]["forwards_per_chunk"] == 5
         assert 0 < v2["fp8"]["first_chunk_deviation"]["rel_l2"] < 0.2
         for name in ("bf16", "fp8"):  # the commit pass timed apart: a share of the chunk

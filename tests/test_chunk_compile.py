@@ -173,11 +173,16 @@ class RecordedForward(fast.ForwardGraph):
         RecordedForward.made.append(self)
         return forward(**self.buffers)
 
+    def memory_pool(self):
+        return ("pool of", self)
+
     def replay(self):
         self.replays += 1
-        made = tree_leaves(self.forward(**self.buffers))  # a tensor, or the camera injections' pairs
-        for out, value in zip(tree_leaves(self.out), made, strict=True):
-            out.copy_(value)
+        made = self.forward(**self.buffers)  # a tensor, the camera injections' pairs, or None (a commit pass)
+        assert (made is None) is (self.out is None)
+        for out, value in zip(tree_leaves(self.out), tree_leaves(made), strict=True):
+            if out is not None:
+                out.copy_(value)
 
 
 def test_steady_forwards_replay_one_recorded_graph_and_equal_the_compiled_loop(
@@ -203,13 +208,16 @@ def test_steady_forwards_replay_one_recorded_graph_and_equal_the_compiled_loop(
     RecordedForward.made = []
     # the timesteps, chunks (RoPE from each chunk's first frame), conditions and cameras all differ per replay
     assert torch.equal(run(True), want)
-    # chunk 2 rolls first: its first forward runs compiled, the second records; 4 + 5 + 5 replays
-    assert [g.replays for g in RecordedForward.made] == [14]
+    # chunk 2 rolls first: its first step runs compiled, the second records; 3 + 4 + 4 replays. The commit pass
+    # (its last block's keys alone) has its own graph, in the steps' memory pool: run at chunk 2, recorded at 3
+    assert [g.replays for g in RecordedForward.made] == [11, 2]
+    steps, commit = RecordedForward.made
+    assert commit.pool == ("pool of", steps) and steps.pool is None and commit.out is None
     RecordedForward.made = []
-    # a new prompt drops the graph (it read the old text's keys): chunk 3's first forward makes the keys,
-    # its second records again
+    # a new prompt drops the graphs (they read the old text's keys): chunk 3's first forward makes the keys,
+    # its second records the steps' graph again, its commit pass the commit's
     assert torch.equal(run(True, prompt_at=3), run(False, prompt_at=3))
-    assert [g.replays for g in RecordedForward.made] == [4, 9]
+    assert [g.replays for g in RecordedForward.made] == [3, 7, 2]
 
 
 def test_kept_camera_injections_run_compiled_and_through_the_recorded_graph(traced_chunk_blocks, monkeypatch):
@@ -246,7 +254,7 @@ def test_kept_camera_injections_run_compiled_and_through_the_recorded_graph(trac
     assert torch.equal(run(True, True), want)
     # the camera injections' own graph, recorded at chunk 1 and replayed from there on, then the forwards'
     replays = [(type(g.out).__name__, g.replays) for g in RecordedForward.made]
-    assert len(traced) == 1 and replays == [("list", 4), ("Tensor", 14)]
+    assert len(traced) == 1 and replays == [("list", 4), ("Tensor", 11), ("NoneType", 2)]
     assert kept[0] and all(ptrs == kept[0] for ptrs in kept[:-1]) and kept[-1] == []  # the last chunk closes
     RecordedForward.made = []
     # chunk 3 without a camera: the graph recorded with the kept injections is not replayed for it
@@ -438,8 +446,9 @@ def test_flashattention3_chunks_all_run_one_graph_from_the_first_chunk(
 ):
     """Compiled with FlashAttention-3 the cache is aligned to its end (FA3 reads it from a start on the device), so
     the growing chunks have the steady chunks' shapes: the fixed-shape blocks trace at chunk 0's second forward (no
-    growing runner), and one recorded graph, recorded at its third, serves every later forward of every chunk,
-    rolled or not. The chunks equal the compiled loop over upstream's layout (its growing chunks' runner)."""
+    growing runner), and one recorded graph, recorded at its third, serves every later step of every chunk, rolled
+    or not (the commit passes another, recorded at chunk 1). The chunks equal the compiled loop over upstream's
+    layout (its growing chunks' runner)."""
     package = types.ModuleType("flash_attn_interface")
     package.flash_attn_func = fa3_math
     package.flash_attn_with_kvcache = fa3_cache_math
@@ -467,8 +476,9 @@ def test_flashattention3_chunks_all_run_one_graph_from_the_first_chunk(
         devs.append(((got - wanted[k]).norm() / wanted[k].norm()).item())
     # this session's two (a bf16 stream into block 0, fp32 after), traced at its chunk 0
     assert graphs_after == [6] * 5 and not torch._dynamo.utils.counters["graph_break"]
-    # chunk 0: the text's keys (eager), then compiled, then recorded: 3 replays; 5 each for chunks 1-4
-    assert [g.replays for g in RecordedForward.made] == [23]
+    # chunk 0's steps: the text's keys (eager), then compiled, then recorded: 2 replays; 4 each for chunks 1-4. The
+    # commit pass (its last block's keys alone) has its own graph: run at chunk 0, recorded at chunk 1
+    assert [g.replays for g in RecordedForward.made] == [18, 4]
     assert devs[0] == 0
     # an e4m3 cache: chunk 0's commit runs compiled here (eager there), where the q/k kernel writes the keys' codes
     # rounded once (eager rounds to bf16 first), so a few codes differ by one step in every later chunk's keys

@@ -171,6 +171,45 @@ def test_commit_pass_changes_the_next_chunk():
     assert (outs[0][1] - outs[1][1]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_a_keys_only_forward_writes_the_whole_forwards_keys(kv_dtype):
+    """`keys_only` (the compiled loop's commit pass): the last block makes its keys and values alone and nothing
+    after it runs (no attention, FFN or head); every layer's cache equals the whole forward's bit for bit, in the
+    compute dtype and in an e4m3 cache. A bidirectional forward, which keeps no keys, refuses it."""
+    from lingbot_world.wan.dit import WanAttentionBlock, WanSelfAttention
+
+    model = tiny_fast_model()
+    y, ctx, cam = tiny_fast_inputs()
+    latent = torch.randn(16, 3, 4, 6, generator=torch.Generator().manual_seed(3))
+    tokens = model.embed_camera(cam[:, :, 3:6], model.compute_dtype)
+    kept, calls = [], []
+    ffn, attend, head = WanAttentionBlock.feed_forward, WanSelfAttention.attend, type(model.head).forward
+    for keys_only in (False, True):
+        s = FastSession(model, ctx, y, (9, 4, 6), FastConfig(kv_dtype=kv_dtype), "cpu")
+        s.next_chunk(cam[:, :, :3])  # chunk 0 made and committed, the text's keys kept
+        n = 3 * s.frame_seqlen
+        s._cache.begin(n, n)
+        calls.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(WanAttentionBlock, "feed_forward", lambda *a: calls.append("ffn") or ffn(*a))
+            mp.setattr(WanSelfAttention, "attend", lambda *a, **k: calls.append("attend") or attend(*a, **k))
+            mp.setattr(type(model.head), "forward", lambda *a: calls.append("head") or head(*a))
+            out = model.forward_tokens(
+                latent, s._y[1], s._t[-1], None, tokens, start_frame=3, kv=s._kv, keys_only=keys_only
+            )
+        kept.append((out, sorted(calls), [t.clone() for t in s._cache.k + s._cache.v]))
+    (whole, whole_calls, want), (trimmed, trimmed_calls, got) = kept
+    blocks = len(model.blocks)
+    assert whole.shape == latent.shape and trimmed is None
+    assert whole_calls == ["attend"] * blocks + ["ffn"] * blocks + ["head"]  # the self-attention's
+    assert trimmed_calls == ["attend"] * (blocks - 1) + ["ffn"] * (blocks - 1)
+    assert got[0].dtype == (kv_dtype or model.compute_dtype)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, want, strict=True))
+    assert got[blocks - 1][n : 2 * n].float().abs().max() > 0  # the last block's chunk keys were written
+    with pytest.raises(ValueError, match="keys_only: a forward run for its keys needs a chunk-causal kv"):
+        model.forward_tokens(latent, s._y[1], s._t[-1], model.embed_text(ctx), tokens, keys_only=True)
+
+
 def test_chunks_run_the_models_one_forward():
     """The session has no block of its own: its first forward (empty cache) is the bidirectional forward of
     the chunk, bit for bit."""

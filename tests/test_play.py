@@ -423,10 +423,10 @@ def test_play_hands_the_latent_over_before_the_commit_and_reads_input_after_it(
 
     forward = FastSession._forward
 
-    def recorded(self, *args):
+    def recorded(self, *args, **kwargs):
         order.append(("forward",))
         clock.advance(1.0)  # a forward takes a second
-        return forward(self, *args)
+        return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(play, "hand_over", hand_over)
     monkeypatch.setattr(

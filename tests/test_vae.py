@@ -537,12 +537,30 @@ def test_compiled_decoder_equals_eager(tiny):
     assert runner is not None and not runner.failed
     graphs = counters["stats"]["unique_graphs"]
     # one graph per block shape: residual blocks at 4 sizes (one with a shortcut conv), 3 upsamples (the
-    # last at 1 and 2 frames), the head; views and layouts do not add any
-    assert 0 < graphs - before <= 10 and _rel(out, ref) <= 1e-5
+    # last at 1 and 2 frames), the head, the middle's attention; views and layouts do not add any
+    assert 0 < graphs - before <= 11 and _rel(out, ref) <= 1e-5
     with tiny.chunk_decoder(**levers) as dec:  # another stream, same size: the graphs serve it
         pieces = list(dec.stream(z[:, :2])) + list(dec.stream(z[:, 2:]))
     assert counters["stats"]["unique_graphs"] == graphs
     assert torch.equal(torch.cat(pieces, dim=1), out)
+
+
+def test_the_attention_step_equals_the_attention_block_and_keeps_channels_last():
+    """The compiled decoder's attention (`_attention_step`: two GEMMs, the scores and softmax in fp32) equals the
+    block's own per-frame SDPA up to fp32 rounding, frame by frame, and hands its output on with channels-last-3d's
+    strides (so `DecoderLevers._canonical` copies nothing before the next block)."""
+    g = _gen(47)
+    block = V.AttentionBlock(16).requires_grad_(False)
+    for p in block.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 3 else 0.0))
+    x = torch.randn(1, 16, 2, 5, 6, generator=g).contiguous(memory_format=torch.channels_last_3d)
+    gain = (block.norm.gamma.float() * block.norm.scale).flatten()
+    qkv, proj = block.to_qkv, block.proj
+    y = V._attention_step(x, gain, qkv.weight[:, :, 0, 0], qkv.bias, proj.weight[:, :, 0, 0], proj.bias)
+    ref = block(x)
+    assert y.shape == ref.shape and _rel(y, ref) <= 1e-5 and (y - x).abs().max() > 0.1
+    assert y.stride() == x.stride()
+    assert _rel(y[:, :, 1], block(x[:, :, 1:])[:, :, 0]) <= 1e-5  # frames attend within themselves
 
 
 def test_tap_conv_equals_the_3d_conv_and_keeps_its_layout(monkeypatch):

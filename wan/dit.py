@@ -236,8 +236,9 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def qkv(self, x, dtype, out=None, rope=None, q_codes=False, key_dtype=None):
-        """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`.
+    def qkv(self, x, dtype, out=None, rope=None, q_codes=False, key_dtype=None, queries=True):
+        """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`
+        (`queries` False: None in the queries' place, none made).
         `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
         at a time: the lean blocks). `rope`: the compiled runner's RoPE table, to rotate q and k by in their
         norm's kernel (`wan.qk_rope`, where `rotates_in_norm`); `q_codes` (with `rope`): the queries come out of
@@ -248,7 +249,7 @@ class WanSelfAttention(nn.Module):
         def normed(norm, t, out_dtype=dtype):
             return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, out_dtype)
 
-        def queries():
+        def make_queries():
             t = linear(self.q, x, dtype)
             if not q_codes:
                 return normed(self.norm_q, t).view(-1, n, d)
@@ -256,7 +257,7 @@ class WanSelfAttention(nn.Module):
             return HeadCodes(codes.view(-1, n, d), scale)
 
         makers = (
-            queries,
+            make_queries if queries else lambda: None,
             lambda: normed(self.norm_k, linear(self.k, x, dtype), key_dtype or dtype).view(-1, n, d),
             lambda: linear(self.v, x, dtype).view(-1, n, d),
         )
@@ -295,6 +296,13 @@ class WanSelfAttention(nn.Module):
 
         sp = parallel.current()  # sequence parallel: local tokens in, the heads' full sequence inside
         return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
+
+    def store_keys(self, x, grid, freqs, dtype, keys, key_dtype=None) -> None:
+        """Only the rotated keys and values of tokens `x`, handed to `keys` (a chunk-causal cache's write) as
+        `forward` makes them: for a forward whose attention output nothing reads (the commit pass's last block)."""
+        rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
+        _, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, key_dtype=key_dtype, queries=False)
+        keys(k if rotated else rope_apply(k, grid, freqs, dtype), v)
 
     def forward(self, x, grid, freqs, dtype, keys=None, key_dtype=None):
         """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`); `key_dtype`: how `keys` stores
@@ -407,7 +415,19 @@ class WanAttentionBlock(nn.Module):
             self.cam_shift_layer = nn.Linear(dim, dim)
 
     def forward(
-        self, x, e0, grid, freqs, context, cam, dtype, layer=0, kv=BIDIRECTIONAL, pending=None, defer=False
+        self,
+        x,
+        e0,
+        grid,
+        freqs,
+        context,
+        cam,
+        dtype,
+        layer=0,
+        kv=BIDIRECTIONAL,
+        pending=None,
+        defer=False,
+        keys_only=False,
     ):
         """x: [L, C] (bf16 into block 0, fp32 after); e0: [1, 6, C] fp32; cam: [L, C] or None. `layer`: this
         block's index, `kv`: the keys its attention reads (`Bidirectional`, or a chunk-causal cache).
@@ -415,10 +435,13 @@ class WanAttentionBlock(nn.Module):
         The chunk loop's compiled blocks pass the FFN's update on to the next block (`defer`: returns (x, (FFN
         output, its gate)) without adding it; `pending`: that pair from the block before, added to x first), so it
         lands in the graph that norms x next and one pass over the fp32 residual fuses both. Same operations, same
-        order."""
+        order. `keys_only` (a chunk-causal `kv`): only the self-attention's keys and values are made and written
+        (`WanSelfAttention.store_keys`); returns None."""
         e = self.modulation_vectors(e0)
         attn, cross = self.self_attn, self.cross_attn
         x, h = block_input(x, self.norm1, (attn.q, attn.k, attn.v), pending, modulation=(e[0], e[1]))
+        if keys_only:
+            return attn.store_keys(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer), kv.key_dtype)
         y = attn(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer), kv.key_dtype)
         camera = functools.partial(kv.camera, layer, self, cam, dtype)
         x, h = block_input(x, self.norm3, (cross.q,), (y, e[2]), camera)
@@ -720,6 +743,7 @@ class WanModel(nn.Module):
         seq_len=None,
         runner=None,
         rope=None,
+        keys_only=False,
     ):
         """The prediction from embedded inputs: the one forward of the bidirectional experts (`forward`) and of
         the chunked models (`wan.fast`, one chunk at a time).
@@ -730,6 +754,10 @@ class WanModel(nn.Module):
         tokens start at (RoPE); kv: the attention's keys (`Bidirectional`, or `wan.fast.ChunkCausal`); runner:
         this forward's block runner (None: the model's `block_runner`); rope: the compiled runner's RoPE table
         (`runner_rope`) made by the caller, which keeps it in a fixed buffer (a CUDA graph's input); None: made here.
+        `keys_only` (a chunk-causal `kv`): a forward run only for the keys it writes (the chunk loop's commit pass):
+        the last block makes and writes its keys and values alone, as a plain call (no compiled graph of its own),
+        no head runs, and it returns None. The keys are the whole forward's; with the lean blocks or under sequence
+        parallel the whole forward runs.
         Patch embedding, RoPE, the blocks (block swap, compiled runner, lean, sequence parallel), head and
         unpatchify run here once for every model kind.
         """
@@ -766,6 +794,9 @@ class WanModel(nn.Module):
         chunk = self.lean_chunk
         if lean and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"lean_chunk: expected an integer >= 1 (tokens per chunk), got {chunk!r}")
+        if keys_only and kv is BIDIRECTIONAL:
+            raise ValueError("keys_only: a forward run for its keys needs a chunk-causal kv to write into")
+        last = len(self.blocks) - 1 if keys_only and sp is None and not lean else None  # its keys alone
         if sp is not None:
             x = sp.split(x)
             cam_tokens = None if cam_tokens is None else sp.split(cam_tokens)
@@ -780,6 +811,10 @@ class WanModel(nn.Module):
                         swap.before(i)
                     if lean:
                         x = block.forward_lean(x, e0, grid, rope, context, cam_tokens, dtype, chunk, i, kv)
+                    elif i == last:
+                        x = block(
+                            x, e0, grid, rope, context, cam_tokens, dtype, i, kv, pending, keys_only=True
+                        )
                     elif run is None:
                         x = block(x, e0, grid, rope, context, cam_tokens, dtype, *extra(i))
                     else:
@@ -791,6 +826,8 @@ class WanModel(nn.Module):
             finally:
                 if swap is not None:
                     swap.finish()  # an error or interrupt mid-forward leaves no swapped block on the device
+        if last is not None:
+            return None
         if pending is not None:  # the last block's FFN update: no block follows to take it
             x, pending = add_update(x, pending), None
         if lean:

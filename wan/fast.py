@@ -8,7 +8,8 @@ checkpoint has a base-cam expert's keys and shapes; the window and sink are run 
   indices 0, 179, 358, 679, t = 999, 978, 947, 825 at shift 10; v2: 0, 250, 500, 750; see
   `wan.config.CHUNKED_KINDS` and `FastConfig.for_kind`) and no CFG: every step predicts x0 = x_t - sigma * flow (float64) and, except the last, re-noises it
   to the next timestep with fresh noise. A "commit" forward at t = 0 on the clean chunk follows; its
-  output is discarded, it only rewrites the chunk's slots of the self-attention cache with clean keys.
+  output is discarded, it only rewrites the chunk's slots of the self-attention cache with clean keys
+  (compiled, it stops there: its last block makes only its keys and values, and no head runs).
 - Self-attention is causal through a per-layer K/V cache with no mask: a chunk's queries attend to
   the cached past and to the whole chunk. Keys are cached after RoPE at their absolute frame position
   (temporal frequencies start at the chunk's first frame) and are never re-rotated. Each forward of a
@@ -424,9 +425,12 @@ class ForwardGraph:
     (weights, the K/V cache, the text's keys, the cache placement) must stay where it was when it was recorded:
     a chunked session's steady state (`FastSession`)."""
 
-    def __init__(self, forward, inputs: dict):
+    def __init__(self, forward, inputs: dict, pool=None):
+        """`pool`: another graph's memory pool (`memory_pool`) to record into, for graphs that never replay at once
+        and replay in the order they were recorded in (torch.cuda.graph's condition for sharing one)."""
         self.buffers = {name: t.clone() for name, t in inputs.items()}
         self.device = next(iter(self.buffers.values())).device
+        self.pool = pool
         self.out = self.record(forward)
 
     def record(self, forward):
@@ -434,14 +438,19 @@ class ForwardGraph:
         self.graph = torch.cuda.CUDAGraph()
         # under the inputs' device (the capture stream is the current device's, e.g. with --device cuda:1);
         # thread_local: a decode worker may launch its own work on another stream meanwhile
-        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        capture = torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local")
+        with torch.cuda.device(self.device), capture:
             return forward(**self.buffers)
+
+    def memory_pool(self):
+        """This graph's memory pool, for another graph to record into (`pool`)."""
+        return self.graph.pool()
 
     def replay(self) -> None:
         with torch.cuda.device(self.device):
             self.graph.replay()
 
-    def __call__(self, inputs: dict) -> torch.Tensor:
+    def __call__(self, inputs: dict) -> torch.Tensor | None:
         for name, t in inputs.items():
             self.buffers[name].copy_(t)
         self.replay()
@@ -543,11 +552,13 @@ class FastSession:
         self._graphs = (
             config.compile and self.device.type == "cuda" and sp is None and model.block_swap is None
         )
-        self._graph: ForwardGraph | None = None
+        # the fixed-shape forwards' recorded graphs (`_graphed`) by kind: False the steps', True the commit pass's
+        self._graph: dict[bool, ForwardGraph] = {}
         # the kept camera injections' (`_camera_injections`; False: its recording was refused)
         self._camera_graph: ForwardGraph | bool | None = None
-        self._graph_warm = False  # a steady forward ran compiled in this session: the next one records
-        self._graph_camera = None  # how the graph's forwards read the camera (`_graphed`)
+        # the kinds of fixed-shape forward that ran compiled in this session: the next of each records
+        self._graph_warm: set = set()
+        self._graph_camera = None  # how the graphs' forwards read the camera (`_graphed`)
         if config.compile:
             if getattr(model, "lean_activations", False):
                 raise ValueError("compile: the lean blocks do not run compiled; turn off lean_activations")
@@ -579,14 +590,20 @@ class FastSession:
 
     # --- the causal forward ---------------------------------------------------------------------
 
-    def _forward(self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam_tokens) -> torch.Tensor:
+    def _forward(
+        self, latent: torch.Tensor, t: torch.Tensor, chunk: int, cam_tokens, commit: bool = False
+    ) -> torch.Tensor | None:
         """One forward of chunk `chunk` (placed in the cache by `SelfKVCache.begin`) at timestep t [1] on the
         device (`cam_tokens`: the chunk's, the same for all its forwards): the model's one forward with RoPE
         from the chunk's first frame and the chunk-causal keys. Compiled blocks (`FastConfig.compile`) run once
         the window is full and the text's keys exist; in live play (`stream`) also the chunks from the second on
         before that, through the growing chunks' runner. With a cache aligned right (FlashAttention-3) the shapes
-        are fixed from the first chunk: every forward after the text's keys runs the fixed-shape blocks."""
+        are fixed from the first chunk: every forward after the text's keys runs the fixed-shape blocks.
+        `commit` (the commit pass, whose prediction nothing reads): compiled, the forward stops at the last
+        block's keys (`WanModel.forward_tokens`' `keys_only`: the same keys) and returns None; the exact loop
+        runs upstream's whole forward."""
         m, kv = self.model, self._kv
+        keys_only = commit and self.config.compile
         first = kv.text[-1] is None  # the first forward (or the first after set_context): the text's keys
         context = m.embed_text(self._context) if first else None
         fixed = self._cache.rolled or self._cache.start is not None  # the blocks' shapes stay as they are now
@@ -594,7 +611,7 @@ class FastSession:
         run = None if first else self._runner if fixed else self._growing if chunk else None
         with attention.use(self.config.attention), fp8.accumulation(self.config.fp8_accum):
             if run is not None and fixed and self._graphs and not run.failed:
-                return self._graphed(run, latent, t, chunk, cam_tokens)
+                return self._graphed(run, latent, t, chunk, cam_tokens, keys_only)
             return m.forward_tokens(
                 latent,
                 self._y[chunk],
@@ -604,14 +621,18 @@ class FastSession:
                 start_frame=chunk * self.chunk,
                 kv=kv,
                 runner=run,
+                keys_only=keys_only,
             )
 
-    def _graphed(self, run, latent, t, chunk: int, cam_tokens) -> torch.Tensor:
+    def _graphed(
+        self, run, latent, t, chunk: int, cam_tokens, keys_only: bool = False
+    ) -> torch.Tensor | None:
         """A forward of fixed shapes (the window full or the cache aligned right, the text's keys made, the blocks
-        compiled) through the session's CUDA graph: the first runs as it is (the compiled blocks may still trace),
-        the next records the graph, and that one and every later forward replay it with their inputs (latent,
-        condition, timestep, RoPE table from the chunk's first frame, camera tokens) copied into its buffers. The
-        same kernels as without it, bit for bit; what it saves is the host's launch work (measured in
+        compiled) through the session's CUDA graph of its kind (the steps', or the commit pass's `keys_only` one,
+        recorded into the steps' memory pool): the first of a kind runs as it is (the compiled blocks may still
+        trace), the next records its graph, and that one and every later forward of the kind replay it with their
+        inputs (latent, condition, timestep, RoPE table from the chunk's first frame, camera tokens) copied into its
+        buffers. The same kernels as without it, bit for bit; what it saves is the host's launch work (measured in
         BENCHMARKS.md). A refused recording logs one line and leaves the session on the compiled blocks."""
         m, p = self.model, self.model.patch_size
         _, lat_h, lat_w = self.lat_shape
@@ -626,19 +647,24 @@ class FastSession:
             inputs["cam"] = cam_tokens
 
         def forward(x, y, t, rope, cam=None):
-            return m.forward_tokens(x, y, t, None, cam, kv=self._kv, runner=run, rope=rope)
+            return m.forward_tokens(
+                x, y, t, None, cam, kv=self._kv, runner=run, rope=rope, keys_only=keys_only
+            )
 
         # a graph reads the camera the way the chunk it recorded did (tokens, kept injections or none)
         camera = (cam_tokens is not None, self._kv.cams is not None)
-        if self._graph is not None and self._graph_camera != camera:
-            self._graph, self._graph_warm = None, False
+        if self._graph and self._graph_camera != camera:
+            self._graph, self._graph_warm = {}, set()
         self._graph_camera = camera
-        if self._graph is None:
-            if not self._graph_warm:
-                self._graph_warm = True
+        graph = self._graph.get(keys_only)
+        if graph is None:
+            if keys_only not in self._graph_warm:
+                self._graph_warm.add(keys_only)
                 return forward(**inputs)
+            other = self._graph.get(not keys_only)
+            pool = None if other is None else other.memory_pool()
             try:
-                self._graph = ForwardGraph(forward, inputs)
+                graph = self._graph[keys_only] = ForwardGraph(forward, inputs, pool)
             except RuntimeError as err:
                 self._graphs = False
                 text = (str(err).strip().splitlines() or [""])[0]
@@ -646,7 +672,7 @@ class FastSession:
                     "CUDA graph of the chunk forward refused (%s); running the compiled blocks", text[:300]
                 )
                 return forward(**inputs)
-        return self._graph(inputs)
+        return graph(inputs)
 
     # --- the chunk loop -------------------------------------------------------------------------
 
@@ -703,7 +729,7 @@ class FastSession:
                 on_latent(x0)
             self.hooks.check()
             if not self._skip_commit:
-                self._forward(x0, self._t[-1], k, cam_tokens)  # output discarded: refreshes the cache
+                self._forward(x0, self._t[-1], k, cam_tokens, commit=True)  # refreshes the cache
             self._noise[k] = None
         except BaseException:
             self.close()
@@ -776,7 +802,7 @@ class FastSession:
             raise ValueError(f"context: expected [tokens <= {self.model.text_len}, text_dim], got {got}")
         self._context = context.to(self.device)
         self._kv.text = [None] * len(self.model.blocks)
-        self._graph = None  # it read the old text's keys
+        self._graph = {}  # they read the old text's keys
 
     def latent(self) -> torch.Tensor:
         """The finished chunks concatenated [16, chunk * done, lat_h, lat_w]."""
@@ -788,7 +814,7 @@ class FastSession:
     def close(self) -> None:
         """Free the caches and the remaining noise (idempotent)."""
         self._closed = True
-        self._graph = self._camera_graph = None
+        self._graph, self._camera_graph = {}, None
         self._cams = self._kv.cams = None
         self._cache.k, self._cache.v = [], []
         self._kv.text = [None] * len(self.model.blocks)

@@ -488,6 +488,25 @@ def _head_step(x, cache, gain, w, b):
     return _causal_conv(_fused_norm_silu(x, gain), cache, w, b)
 
 
+def _attention_step(x, gain, w_qkv, b_qkv, w_proj, b_proj):
+    """`AttentionBlock.forward` as a pure function of x [b, c, t, h, w] and its weights (the 1x1 convs' as [out,
+    in]): per frame the RMS norm in fp32, q, k and v, the attention as two GEMMs with the scores (fp32 out of the
+    half-precision GEMM on CUDA), the scale and the softmax in fp32, the projection and the residual. SDPA's
+    memory-efficient kernel, the only one that takes a 384-wide head, took 3x as long for one latent frame's 6,032
+    pixels on an H200 (BENCHMARKS.md)."""
+    b, c, t, h, w = x.shape
+    frames = x.permute(0, 2, 3, 4, 1).reshape(b * t, h * w, c)
+    half = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+    out = []
+    for f in frames.unbind(0):  # one frame's scores at a time, as the block's own per-frame loop
+        q, k, v = F.linear((F.normalize(f.float(), dim=-1) * gain).to(x.dtype), w_qkv, b_qkv).chunk(3, dim=-1)
+        scores = torch.mm(q, k.t(), out_dtype=torch.float32) if half else torch.mm(q.float(), k.float().t())
+        p = torch.softmax(scores * c**-0.5, dim=-1).to(x.dtype)
+        out.append(F.linear(p @ v, w_proj, b_proj))
+    y = torch.stack(out).view(b, t, h, w, c).permute(0, 4, 1, 2, 3)  # channels-last-3d strides
+    return y + x
+
+
 def _call_step(step, *args):
     return step(*args)
 
@@ -498,6 +517,11 @@ def decoder_runner(device):
     from .speed import shared_runner
 
     return shared_runner(_call_step, device, what="the VAE decoder")
+
+
+def _matrix(conv: nn.Conv2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1x1 conv's weight as an [out, in] matrix, and its bias."""
+    return conv.weight.reshape(conv.weight.shape[0], -1), conv.bias
 
 
 class DecoderLevers:
@@ -512,7 +536,8 @@ class DecoderLevers:
     `_head_step`): each RMS norm + SiLU (in fp32) and the cache concatenation become one pass before the
     conv instead of about seven; with channels-last weights the full-resolution stage's convs run as one 2-D
     conv over their time taps stacked in the channels (`_tap_conv`); on a Hopper GPU that stage's convs and
-    the head's run as `tap_conv`'s kernel instead (no concatenation), their weights packed here once. A
+    the head's run as `tap_conv`'s kernel instead (no concatenation), their weights packed here once; the
+    middle's attention runs as two GEMMs with fp32 scores (`_attention_step`). A
     stream's first latent frame (no caches yet, 1 frame per stage) runs eagerly; from the second on every call
     has the same shapes and strides (one graph per block shape and frame size, about 10, compiled during the
     first chunk, none after). The upsamples then run all of a sub-chunk's frames at once instead of frame by
@@ -526,6 +551,12 @@ class DecoderLevers:
         self.fmt = torch.channels_last_3d if cl else torch.contiguous_format
         self.gains = {m: m.gamma.float() * m.scale for m in decoder.modules() if isinstance(m, RMS_norm)}
         self.spatial = {}  # upsampling Resample -> its sub-pixel conv (weight, bias)
+        # compiled attention blocks -> their norm's gain [c] and 1x1 convs' weights as [out, in] with biases
+        self.attention = {
+            m: (self.gains[m.norm].flatten(), *_matrix(m.to_qkv), *_matrix(m.proj))
+            for m in decoder.modules()
+            if isinstance(m, AttentionBlock) and runner is not None
+        }
         # compiled residual and head convs that run as `tap_conv`'s kernel -> their packed weights
         self.packed = {}
         if runner is not None:
@@ -595,6 +626,8 @@ class DecoderLevers:
                 )
                 return y
             return layer(x, cache, None if sub is None else lambda f: subpixel_up(f, *sub))
+        if layer in self.attention:
+            return self._run(_attention_step, x, *self.attention[layer])
         return layer(x, cache)
 
     def head(self, head: nn.Sequential, x: torch.Tensor, cache: Cache) -> torch.Tensor:

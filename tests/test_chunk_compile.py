@@ -283,6 +283,32 @@ def test_a_refused_recording_leaves_the_session_on_the_compiled_blocks(
     assert "CUDA graph of the chunk forward refused (operation not permitted" in caplog.text
 
 
+def test_a_refused_commit_recording_drops_the_steps_graph_too(traced_chunk_blocks, monkeypatch, caplog):
+    """The commit pass's graph refused after the steps' was recorded: the session goes back to the compiled blocks
+    for every forward and lets the steps' graph (and so its memory pool) go, with the same chunks."""
+
+    class RefusedCommit(RecordedForward):
+        def record(self, forward):
+            if self.pool is not None:  # the commit's, recorded into the steps' pool
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().record(forward)
+
+    m = model()
+    y, ctx, cam = inputs()
+    want = generate_fast(m, ctx, y, cam, LAT, FastConfig(**WINDOW, compile=True), "cpu")
+    monkeypatch.setattr(fast, "ForwardGraph", RefusedCommit)
+    RecordedForward.made = []
+    s = FastSession(m, ctx, y, LAT, FastConfig(**WINDOW, compile=True), "cpu")
+    s._graphs = True
+    got = [s.next_chunk(cam[:, :, 3 * k : 3 * k + 3]) for k in range(4)]
+    assert s._graphs is False and s._graph == {}  # before the last chunk, which closes the session
+    got = torch.cat([*got, s.next_chunk(cam[:, :, 12:15])], dim=1)
+    assert torch.equal(got, want)
+    # the steps' graph replayed at chunks 2 and 3 (3 + 4), then nothing after the commit's refusal at chunk 3
+    assert [g.replays for g in RecordedForward.made] == [7]
+    assert "CUDA graph of the chunk forward refused (operation not permitted" in caplog.text
+
+
 def test_a_refused_camera_recording_leaves_the_injections_on_their_compiled_calls(
     traced_chunk_blocks, monkeypatch, caplog
 ):

@@ -756,8 +756,9 @@ class WanModel(nn.Module):
         (`runner_rope`) made by the caller, which keeps it in a fixed buffer (a CUDA graph's input); None: made here.
         `keys_only` (a chunk-causal `kv`): a forward run only for the keys it writes (the chunk loop's commit pass):
         the last block makes and writes its keys and values alone, as a plain call (no compiled graph of its own),
-        no head runs, and it returns None. The keys are the whole forward's; with the lean blocks or under sequence
-        parallel the whole forward runs.
+        no head runs, and it returns None. The keys are the eager whole forward's; where the blocks run compiled,
+        that block's norm and modulation now run unfused, so a key can move by one rounding from the compiled
+        block's. With the lean blocks or under sequence parallel the whole forward runs.
         Patch embedding, RoPE, the blocks (block swap, compiled runner, lean, sequence parallel), head and
         unpatchify run here once for every model kind.
         """

@@ -426,8 +426,9 @@ class ForwardGraph:
     a chunked session's steady state (`FastSession`)."""
 
     def __init__(self, forward, inputs: dict, pool=None):
-        """`pool`: another graph's memory pool (`memory_pool`) to record into, for graphs that never replay at once
-        and replay in the order they were recorded in (torch.cuda.graph's condition for sharing one)."""
+        """`pool`: another graph's memory pool (`memory_pool`) to record into, for a forward that returns nothing
+        (the commit pass's) and runs on the other's stream, never beside it: what it writes that outlives it is
+        outside the pool (the K/V cache), and the other's live output is not handed to it."""
         self.buffers = {name: t.clone() for name, t in inputs.items()}
         self.device = next(iter(self.buffers.values())).device
         self.pool = pool
@@ -600,8 +601,8 @@ class FastSession:
         before that, through the growing chunks' runner. With a cache aligned right (FlashAttention-3) the shapes
         are fixed from the first chunk: every forward after the text's keys runs the fixed-shape blocks.
         `commit` (the commit pass, whose prediction nothing reads): compiled, the forward stops at the last
-        block's keys (`WanModel.forward_tokens`' `keys_only`: the same keys) and returns None; the exact loop
-        runs upstream's whole forward."""
+        block's keys (`WanModel.forward_tokens`' `keys_only`) and returns None; the exact loop runs upstream's
+        whole forward."""
         m, kv = self.model, self._kv
         keys_only = commit and self.config.compile
         first = kv.text[-1] is None  # the first forward (or the first after set_context): the text's keys
@@ -666,7 +667,7 @@ class FastSession:
             try:
                 graph = self._graph[keys_only] = ForwardGraph(forward, inputs, pool)
             except RuntimeError as err:
-                self._graphs = False
+                self._graphs, self._graph = False, {}  # no graph replays from here on: their pools go too
                 text = (str(err).strip().splitlines() or [""])[0]
                 log.warning(
                     "CUDA graph of the chunk forward refused (%s); running the compiled blocks", text[:300]

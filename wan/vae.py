@@ -488,23 +488,31 @@ def _head_step(x, cache, gain, w, b):
     return _causal_conv(_fused_norm_silu(x, gain), cache, w, b)
 
 
-def _attention_step(x, gain, w_qkv, b_qkv, w_proj, b_proj):
+def _attention_step(x, gain, w_qkv, b_qkv, w_proj, b_proj, half_scores: bool):
     """`AttentionBlock.forward` as a pure function of x [b, c, t, h, w] and its weights (the 1x1 convs' as [out,
-    in]): per frame the RMS norm in fp32, q, k and v, the attention as two GEMMs with the scores (fp32 out of the
-    half-precision GEMM on CUDA), the scale and the softmax in fp32, the projection and the residual. SDPA's
-    memory-efficient kernel, the only one that takes a 384-wide head, took 3x as long for one latent frame's 6,032
-    pixels on an H200 (BENCHMARKS.md)."""
+    in]): per frame the RMS norm in fp32, q, k and v, the attention as two GEMMs with the scores in fp32 (`half_scores`:
+    as the fp32 output of the half-precision GEMM, `scores_in_fp32`; else from fp32 copies of q and k), the scale and
+    the softmax in fp32, the projection and the residual. SDPA's memory-efficient kernel, the only one that takes a
+    384-wide head, took 3x as long for one latent frame's 6,032 pixels on an H200 (BENCHMARKS.md)."""
     b, c, t, h, w = x.shape
     frames = x.permute(0, 2, 3, 4, 1).reshape(b * t, h * w, c)
-    half = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
     out = []
     for f in frames.unbind(0):  # one frame's scores at a time, as the block's own per-frame loop
         q, k, v = F.linear((F.normalize(f.float(), dim=-1) * gain).to(x.dtype), w_qkv, b_qkv).chunk(3, dim=-1)
-        scores = torch.mm(q, k.t(), out_dtype=torch.float32) if half else torch.mm(q.float(), k.float().t())
+        scores = (
+            torch.mm(q, k.t(), out_dtype=torch.float32) if half_scores else torch.mm(q.float(), k.float().t())
+        )
         p = torch.softmax(scores * c**-0.5, dim=-1).to(x.dtype)
         out.append(F.linear(p @ v, w_proj, b_proj))
     y = torch.stack(out).view(b, t, h, w, c).permute(0, 4, 1, 2, 3)  # channels-last-3d strides
-    return y + x
+    return (y + x).contiguous(memory_format=_format(x))
+
+
+def scores_in_fp32(x: torch.Tensor) -> bool:
+    """Whether a half-precision GEMM on x's device writes fp32 out (`torch.mm`'s `out_dtype`: CUDA, torch 2.8+)."""
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and torch.version.hip is None):
+        return False
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 8)
 
 
 def _call_step(step, *args):
@@ -551,9 +559,15 @@ class DecoderLevers:
         self.fmt = torch.channels_last_3d if cl else torch.contiguous_format
         self.gains = {m: m.gamma.float() * m.scale for m in decoder.modules() if isinstance(m, RMS_norm)}
         self.spatial = {}  # upsampling Resample -> its sub-pixel conv (weight, bias)
-        # compiled attention blocks -> their norm's gain [c] and 1x1 convs' weights as [out, in] with biases
+        # compiled attention blocks -> their norm's gain [c], 1x1 convs' weights as [out, in] with biases, and
+        # whether the scores come as the fp32 output of the half-precision GEMM
         self.attention = {
-            m: (self.gains[m.norm].flatten(), *_matrix(m.to_qkv), *_matrix(m.proj))
+            m: (
+                self.gains[m.norm].flatten(),
+                *_matrix(m.to_qkv),
+                *_matrix(m.proj),
+                scores_in_fp32(m.proj.weight),
+            )
             for m in decoder.modules()
             if isinstance(m, AttentionBlock) and runner is not None
         }
@@ -577,8 +591,7 @@ class DecoderLevers:
 
     def _run(self, step, *args):
         # graphs are keyed by exact strides, size-1 dims' included: every 5-D tensor goes in with the strides
-        # `fmt` gives its sizes (a sub-chunk or a cache is a strided view; the attention's output is not
-        # channels-last), so each block shape has one graph
+        # `fmt` gives its sizes (a sub-chunk or a cache is a strided view), so each block shape has one graph
         args = [self._canonical(a) if isinstance(a, torch.Tensor) and a.dim() == 5 else a for a in args]
         return self.runner(step, *args)
 

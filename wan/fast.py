@@ -662,8 +662,9 @@ class FastSession:
             if keys_only not in self._graph_warm:
                 self._graph_warm.add(keys_only)
                 return forward(**inputs)
-            other = self._graph.get(not keys_only)
-            pool = None if other is None else other.memory_pool()
+            # only the commit's graph, which returns nothing, records into the steps' pool (`ForwardGraph`)
+            steps = self._graph.get(False) if keys_only else None
+            pool = None if steps is None else steps.memory_pool()
             try:
                 graph = self._graph[keys_only] = ForwardGraph(forward, inputs, pool)
             except RuntimeError as err:

@@ -99,10 +99,10 @@ def run_ours(model, cfg, lat, device, fast: FastConfig, chunks: int) -> dict:
     session = FastSession(model, ctx, y, lat, fast, device)
     times, forward = [], session._forward
 
-    def timed_forward(*args):
+    def timed_forward(*args, **kwargs):
         sync(device)
         t0 = time.perf_counter()
-        out = forward(*args)
+        out = forward(*args, **kwargs)
         sync(device)
         times.append(time.perf_counter() - t0)
         return out

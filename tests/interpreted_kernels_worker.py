@@ -179,7 +179,8 @@ rope_cases["codes_fp32"] = rope_codes_case(torch.float32)
 def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
     """The k kernel writing an fp8 cache's keys (`qk_rope.norm_rope` into e4m3, scale 1) against its keys in `dtype`
     clamped and cast as the cache stores them (the interpreter's cast on both sides; one head's weights large
-    enough to clamp); then a self-attention's forward into an fp8 cache with and without it (torch's cast)."""
+    enough to clamp); then a self-attention's forward into an fp8 cache with the kernel writing the keys into the
+    cache's slots (`key_slot`) and without (the keys in `dtype`, which the cache casts with torch's cast)."""
     tokens = grid[0] * grid[1] * grid[2]
     attn = dit.init_random_(dit.WanSelfAttention(heads * d, heads), seed=4).requires_grad_(False)
     attn.norm_k.weight.data = 1 + 0.3 * torch.randn(heads * d, generator=g)
@@ -194,21 +195,23 @@ def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) 
         300  # the forward: keys of ordinary size (huge logits magnify a code's step)
     )
     made = []
-    real = qk_rope.norm_rope
+    real, real_into = qk_rope.norm_rope, qk_rope.norm_rope_into
 
-    def forward(key_dtype):
+    def forward(into):
         cache = fast.SelfKVCache(1, tokens, heads, d, 0, torch.float8_e4m3fn, "cpu")
         cache.begin(0, tokens)
         kv = fast.ChunkCausal(cache, 1)
-        assert kv.key_dtype == torch.float8_e4m3fn
-        qk_rope.norm_rope = lambda *a: made.append(a[-1]) or real(*a)
-        out = attn(x, grid, table, dtype, functools.partial(kv.self_kv, 0), key_dtype)
-        qk_rope.norm_rope = real
+        slot = kv.key_slot(0, tokens, dtype) if into else None
+        assert not into or (slot.cache is cache.k[0] and slot.start == 0)
+        qk_rope.norm_rope = lambda *a: made.append(str(a[-1])) or real(*a)
+        qk_rope.norm_rope_into = lambda *a: made.append(f"into {a[-1].cache.dtype}") or real_into(*a)
+        out = attn(x, grid, table, dtype, functools.partial(kv.self_kv, 0), slot)
+        qk_rope.norm_rope, qk_rope.norm_rope_into = real, real_into
         return out, cache.k[0], cache.v[0]
 
-    (out, k8, v8), (out0, k0, v0) = forward(torch.float8_e4m3fn), forward(None)
+    (out, k8, v8), (out0, k0, v0) = forward(True), forward(False)
     return {
-        "kernel_dtypes": [str(t) for t in made],
+        "kernel_dtypes": made,
         "dtype": str(codes.dtype),
         "codes_equal": float((codes.float() == want.float()).float().mean()),
         "max_code": float(codes.float().abs().max()),
@@ -220,6 +223,96 @@ def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) 
 
 rope_cases["key_codes_fp16"] = key_codes_case(torch.float16)
 rope_cases["key_codes_bf16"] = key_codes_case(torch.bfloat16)
+
+
+def key_slot_compiled_case(dynamic: bool, heads: int = 2, d: int = 16, grid: tuple = (1, 2, 4)) -> dict:
+    """A compiled function writing chunks' keys into a bf16 cache's slots (`key_slot`, `qk_rope.norm_rope_into`) and
+    their values through `self_kv`, as the chunk loop's compiled blocks do (`dynamic`: as live play's growing
+    chunks', whose placement is symbolic), chunk 1 then chunk 2 of a cache that keeps chunk 0, against the same run
+    eagerly: the caches both leave, and the arguments inductor's code hands the op."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    tokens = grid[0] * grid[1] * grid[2]
+    norm = dit.WanRMSNorm(heads * d)
+    norm.weight.data = 1 + 0.3 * torch.randn(heads * d, generator=g)
+    table = dit.rope_table(grid, dit.rope_freqs(d))
+    xs = [(torch.randn(tokens, heads * d, generator=g) * 3).bfloat16() for _ in range(3)]
+
+    def write(x, kv):
+        qk_rope.norm_rope_into(norm, x, table, kv.key_slot(0, x.shape[0], x.dtype))
+        k, _ = kv.self_kv(0, None, x.view(-1, heads, d))
+        return k.float().sum()
+
+    compiled_write = torch.compile(write, fullgraph=True, dynamic=dynamic)
+    caches, code = [], []
+    for compiled in (False, True):
+        cache = fast.SelfKVCache(1, 4 * tokens, heads, d, 0, torch.bfloat16, "cpu")
+        cache.begin(0, tokens)
+        cache.k[0][:tokens] = 1.0  # chunk 0's keys, which must stay
+        for c in (1, 2):
+            cache.begin(c * tokens, tokens)
+            kv = fast.ChunkCausal(cache, 1)
+            if compiled:
+                _, made = run_and_get_code(compiled_write, xs[c], kv)
+                code += made
+            else:
+                write(xs[c], kv)
+        caches.append(cache.k[0].clone())
+    eager, compiled = caches
+    return {
+        "cache_equal": torch.equal(compiled, eager),
+        "chunk0_kept": bool((eager[:tokens] == 1.0).all()),
+        "chunks_written": bool(eager[tokens : 3 * tokens].ne(0).any(dim=(1, 2)).all()),
+        "calls": [
+            line.strip() for text in code for line in text.splitlines() if "qk_rope_into.default(" in line
+        ],
+    }
+
+
+rope_cases["key_slot_compiled"] = key_slot_compiled_case(dynamic=False)
+rope_cases["key_slot_compiled_dynamic"] = key_slot_compiled_case(dynamic=True)
+
+
+def key_slot_block_case(dtype=torch.bfloat16) -> dict:
+    """A DiT block's forward (`WanAttentionBlock`, the RoPE table given, as the compiled runners give it) into a
+    chunk-causal cache at chunk 1: with the cache's slots offered, and with none (`SelfKVCache.slot` returning
+    None). Whether the block had the kernel write its keys into the cache, and whether the caches and outputs
+    agree."""
+    model = TinyRun(layers=1, use_fp8=False).model.to(dtype)
+    block = model.blocks[0]
+    grid = (1, 2, 4)
+    tokens, dim = grid[0] * grid[1] * grid[2], model.dim
+    heads = block.self_attn.num_heads
+    table = dit.rope_table(grid, dit.rope_freqs(dim // heads))
+    x = torch.randn(tokens, dim, generator=g).to(dtype)
+    e0 = torch.randn(1, 6, dim, generator=g)
+    context = torch.randn(7, dim, generator=g).to(dtype)
+    calls, real_into, real_slot = [], qk_rope.norm_rope_into, fast.SelfKVCache.slot
+
+    def run(offer: bool):
+        cache = fast.SelfKVCache(1, 3 * tokens, heads, dim // heads, 0, dtype, "cpu")
+        cache.begin(0, tokens)
+        cache.begin(tokens, tokens)
+        qk_rope.norm_rope_into = lambda *a: calls.append(offer) or real_into(*a)
+        if not offer:
+            fast.SelfKVCache.slot = lambda *a: None
+        try:
+            out = block(x, e0, grid, table, context, None, dtype, 0, fast.ChunkCausal(cache, 1))
+        finally:
+            qk_rope.norm_rope_into, fast.SelfKVCache.slot = real_into, real_slot
+        return out, cache.k[0]
+
+    (out, k), (out0, k0) = run(True), run(False)
+    return {
+        "into_calls": calls,
+        "keys_equal": torch.equal(k, k0),
+        "chunk_written": bool(k[tokens : 2 * tokens].ne(0).any(dim=(1, 2)).all()),
+        "out_equal": torch.equal(out, out0),
+    }
+
+
+rope_cases["key_slot_block"] = key_slot_block_case()
 
 
 def inputs_case(x, norm, update=None, camera=None, modulation=None) -> dict:

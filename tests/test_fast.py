@@ -16,7 +16,7 @@ from lingbot_world.loaders import synthetic as S
 from lingbot_world.loaders.stream import load_expert
 from lingbot_world.wan import attention as attention_backends
 from lingbot_world.wan.block_swap import BlockSwapper
-from lingbot_world.wan.dit import WanModel
+from lingbot_world.wan.dit import BIDIRECTIONAL, WanModel
 from lingbot_world.wan.fa3_attention import CachedRows
 from lingbot_world.wan.fast import (
     CHUNK_FRAMES,
@@ -139,24 +139,38 @@ def test_a_cache_aligned_right_reads_the_same_rows_with_the_chunk_in_its_last_sl
             assert right.rolled == left.rolled and right.local_end == left.local_end
 
 
-def test_an_e4m3_cache_asks_for_its_keys_as_it_stores_them():
-    """An e4m3 K/V cache (and the block's views of it) asks the q/k kernel for its keys in e4m3
-    (`Bidirectional.key_dtype`), and stores keys given so as they are; a bf16 or e5m2 cache asks for nothing (the
-    kernel's codes are e4m3's). Keys in the attention's dtype are still clamped to 448 and cast."""
+def test_a_cache_offers_the_q_k_kernel_its_slots_for_keys_it_stores_as_they_are():
+    """An e4m3 K/V cache, or one of the keys' own dtype (and the block's views of it), offers the q/k kernel the
+    chunk's slots to write its keys into (`Bidirectional.key_slot`: the kernel's codes are e4m3's at scale 1, as the
+    cache stores them); an e5m2 cache of bf16 keys, or a forward of other rows than the chunk's, gets none. Keys
+    given as None are left as the kernel wrote them; values, and keys given, are still clamped to 448 and cast."""
     from lingbot_world.wan.fast import ChunkCausal, LayerKeys
 
-    e4m3 = torch.float8_e4m3fn
-    for dtype, want in ((torch.bfloat16, None), (torch.float8_e5m2, None), (e4m3, e4m3)):
-        cache = SelfKVCache(1, 4, 2, 8, 0, dtype, "cpu")
-        views = (cache, ChunkCausal(cache, 1), LayerKeys(cache, cache.k[0], cache.v[0], None))
-        assert [v.key_dtype for v in views] == [want] * 3, dtype
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    for dtype, offers in ((bf16, True), (torch.float8_e5m2, False), (e4m3, True)):
+        cache = SelfKVCache(1, 8, 2, 8, 0, dtype, "cpu")
+        cache.begin(0, 3)
+        cache.begin(3, 4)
+        views = (ChunkCausal(cache, 1), LayerKeys(cache, cache.k[0], cache.v[0], None))
+        for view in views:
+            slot = view.key_slot(0, 4, bf16)
+            assert (slot is not None) == offers, dtype
+            if offers:  # the layer's cache itself, and the chunk's first row
+                assert slot.cache is cache.k[0] and slot.start == 3
+            assert view.key_slot(0, 3, bf16) is None and BIDIRECTIONAL.key_slot(0, 4, bf16) is None
     g = torch.Generator().manual_seed(0)
     codes = (torch.randn(4, 2, 8, generator=g) * 100).to(e4m3)
     values = torch.randn(4, 2, 8, generator=g).bfloat16() * 1000
-    cache.begin(0, 4)
-    k, v = ChunkCausal(cache, 1).self_kv(0, codes, values)
-    assert torch.equal(k.view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(v.view(torch.uint8), values.float().clamp(-448, 448).to(e4m3).view(torch.uint8))
+    kv = ChunkCausal(cache, 1)
+    slot = kv.key_slot(0, 4, bf16)
+    slot.cache[slot.start : slot.start + 4] = codes  # as the kernel writes them
+    k, v = kv.self_kv(0, None, values)
+    assert torch.equal(k[3:7].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(v[3:7].view(torch.uint8), values.float().clamp(-448, 448).to(e4m3).view(torch.uint8))
+    k, _ = kv.self_kv(0, values, values)
+    assert torch.equal(k[3:7].view(torch.uint8), v[3:7].view(torch.uint8))
+    with pytest.raises(ValueError, match="placed first"):  # a slot is only the placed chunk's
+        cache.write(0, None, values, start=7)
 
 
 def test_commit_pass_changes_the_next_chunk():

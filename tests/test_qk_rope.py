@@ -3,6 +3,8 @@ Triton's interpreter (conftest's `interpreted_kernels`). The interpreter casts t
 so fp16 shows every rounding of the formulas; it casts to bf16 toward zero, so bf16 is checked only loosely (the
 GPU's bf16: benchmarks/bench_qk_rope.py)."""
 
+import re
+
 import torch
 from helpers import TinyRun
 from lingbot_world.wan import dit, parallel, qk_rope
@@ -41,18 +43,40 @@ def test_kernel_matches_rmsnorm_then_rope(interpreted_kernels):
 
 
 def test_kernel_writes_an_fp8_caches_keys_as_the_cache_stores_them(interpreted_kernels):
-    """With an fp8 K/V cache (`Bidirectional.key_dtype`) the k kernel writes e4m3 at scale 1: the keys rounded to
-    their dtype, clamped to 448 and cast, the codes the cache's own store gives (both cast the interpreter's way);
-    a self-attention's forward takes that path for its keys alone, its values and queries as before. Against the
-    store's torch cast the interpreter's own cast moves some codes by a step (on a GPU both are one instruction)."""
+    """With an fp8 K/V cache the k kernel writes e4m3 at scale 1: the keys rounded to their dtype, clamped to 448 and
+    cast, the codes the cache's own store gives (both cast the interpreter's way). Given the cache's slots
+    (`Bidirectional.key_slot`) a self-attention's forward has the kernel write its keys there, and its values and
+    queries as before. Against the store's torch cast the interpreter's own cast moves some codes by a step (on a GPU
+    both are one instruction)."""
     for dtype in ("fp16", "bf16"):
         case = interpreted_kernels["rope_cases"][f"key_codes_{dtype}"]
         assert case["dtype"] == "torch.float8_e4m3fn" and case["codes_equal"] == 1.0, case
         assert case["max_code"] == 448.0, case  # the large head saturates, as the cache clamps
         half = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}[dtype]
-        assert case["kernel_dtypes"] == [half, "torch.float8_e4m3fn", half, half], case
+        assert case["kernel_dtypes"] == [half, "into torch.float8_e4m3fn", half, half], case
         assert case["cache_values_equal"] and case["cache_keys_equal"] >= 0.9, case
         assert case["forward_rel"] < 0.15, case
+
+
+def test_compiled_the_kernel_writes_keys_into_the_cache_itself(interpreted_kernels):
+    """Compiled (inductor on the CPU), the op that writes chunks' keys into the cache's slots gets the cache itself
+    (the graph's input, not a copy of the cache to write back) and the chunk's first row. With static shapes and
+    with dynamic ones (live play's growing chunks, a symbolic row) it leaves the cache the eager run leaves:
+    chunks 1 and 2 written, chunk 0 kept."""
+    for name in ("key_slot_compiled", "key_slot_compiled_dynamic"):
+        case = interpreted_kernels["rope_cases"][name]
+        assert case["cache_equal"] and case["chunk0_kept"] and case["chunks_written"], (name, case)
+        assert case["calls"], (name, case)
+        for call in case["calls"]:
+            assert re.search(r", arg\d+_1, \w+\)$", call), (name, case)
+
+
+def test_a_block_has_the_kernel_write_its_keys_into_the_cache(interpreted_kernels):
+    """A DiT block given the RoPE table (as the compiled runners give it) and a chunk-causal cache has the kernel
+    write its keys into the cache's slots, and leaves the cache and its output as with no slots offered."""
+    case = interpreted_kernels["rope_cases"]["key_slot_block"]
+    assert case["into_calls"] == [True], case
+    assert case["keys_equal"] and case["chunk_written"] and case["out_equal"], case
 
 
 def test_only_compiled_blocks_outside_sequence_parallel_take_the_kernel(monkeypatch):

@@ -236,18 +236,19 @@ class WanSelfAttention(nn.Module):
         self.norm_q = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
         self.norm_k = WanRMSNorm(dim, eps=eps) if qk_norm else nn.Identity()
 
-    def qkv(self, x, dtype, out=None, rope=None, q_codes=False, key_dtype=None, queries=True):
+    def qkv(self, x, dtype, out=None, rope=None, q_codes=False, key_slot=None, queries=True):
         """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`
-        (`queries` False: None in the queries' place, none made).
+        (`queries` False: None in the queries' place, none made; `key_slot`: None in the keys').
         `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
         at a time: the lean blocks). `rope`: the compiled runner's RoPE table, to rotate q and k by in their
         norm's kernel (`wan.qk_rope`, where `rotates_in_norm`); `q_codes` (with `rope`): the queries come out of
-        it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`); `key_dtype` (with `rope`): the keys come
-        out of it in that dtype instead, as the K/V cache stores them (`Bidirectional.key_dtype`)."""
+        it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`); `key_slot` (with `rope`): where the K/V
+        cache keeps these keys (`Bidirectional.key_slot`), which the kernel writes them into as the cache stores
+        them."""
         n, d = self.num_heads, self.head_dim
 
-        def normed(norm, t, out_dtype=dtype):
-            return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, out_dtype)
+        def normed(norm, t):
+            return norm(t) if rope is None else qk_rope.norm_rope(norm, t, rope, dtype)
 
         def make_queries():
             t = linear(self.q, x, dtype)
@@ -256,9 +257,16 @@ class WanSelfAttention(nn.Module):
             codes, scale = qk_rope.norm_rope_codes(self.norm_q, t, rope, n)
             return HeadCodes(codes.view(-1, n, d), scale)
 
+        def make_keys():
+            t = linear(self.k, x, dtype)
+            if rope is None or key_slot is None:
+                return normed(self.norm_k, t).view(-1, n, d)
+            qk_rope.norm_rope_into(self.norm_k, t, rope, key_slot)
+            return None
+
         makers = (
             make_queries if queries else lambda: None,
-            lambda: normed(self.norm_k, linear(self.k, x, dtype), key_dtype or dtype).view(-1, n, d),
+            make_keys,
             lambda: linear(self.v, x, dtype).view(-1, n, d),
         )
         if out is None:
@@ -281,7 +289,7 @@ class WanSelfAttention(nn.Module):
         (None: themselves, bidirectional; a chunk-causal cache writes them and returns cache + chunk).
         Under sequence parallel (`wan.parallel.current`) q, k, v are the local token slices and this runs on
         the full sequence of the rank's heads. `in_place`: rotate q and k in their own buffers; `rotated`:
-        they already are (`qkv`'s `rope`).
+        they already are (`qkv`'s `rope`; k None: the keys are in the cache already, `qkv`'s `key_slot`).
 
         Upstream keeps q, k and the attention output in fp32 between bf16 roundings; going straight to
         `dtype` gives the same values (bf16 -> fp32 -> bf16 is exact) in half the memory."""
@@ -297,19 +305,19 @@ class WanSelfAttention(nn.Module):
         sp = parallel.current()  # sequence parallel: local tokens in, the heads' full sequence inside
         return core(q, k, v) if sp is None else sp.attention(core, q, k, v, math.prod(grid))
 
-    def store_keys(self, x, grid, freqs, dtype, keys, key_dtype=None) -> None:
+    def store_keys(self, x, grid, freqs, dtype, keys, key_slot=None) -> None:
         """Only the rotated keys and values of tokens `x`, handed to `keys` (a chunk-causal cache's write) as
         `forward` makes them: for a forward whose attention output nothing reads (the commit pass's last block)."""
         rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
-        _, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, key_dtype=key_dtype, queries=False)
+        _, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, key_slot=key_slot, queries=False)
         keys(k if rotated else rope_apply(k, grid, freqs, dtype), v)
 
-    def forward(self, x, grid, freqs, dtype, keys=None, key_dtype=None):
-        """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`); `key_dtype`: how `keys` stores
-        them (`Bidirectional.key_dtype`)."""
+    def forward(self, x, grid, freqs, dtype, keys=None, key_slot=None):
+        """x: the tokens [L, C], or their `RowCodes` (fp8 q/k/v, `block_input`); `key_slot`: where `keys` keeps
+        them (`Bidirectional.key_slot`)."""
         rotated = self.rotates_in_norm(x.codes if isinstance(x, RowCodes) else x, freqs)
         q_codes = rotated and attention_backends.takes_query_codes()
-        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, q_codes=q_codes, key_dtype=key_dtype)
+        q, k, v = self.qkv(x, dtype, rope=freqs if rotated else None, q_codes=q_codes, key_slot=key_slot)
         out = self.attend(q, k, v, grid, freqs, dtype, keys, rotated=rotated)
         del q, k, v
         return linear(self.o, attention_rows(out, self.o), dtype)
@@ -342,9 +350,12 @@ class Bidirectional:
     `wan.fast.ChunkCausal` is the chunk-causal one (a K/V cache of the past chunks, text keys kept, and
     optionally each block's camera injection kept for all the forwards of a chunk)."""
 
-    # the dtype self_kv stores keys in where that is not the attention's (an fp8 cache's e4m3): the q/k kernel
-    # writes them so (`WanSelfAttention.qkv`); None: as computed
-    key_dtype = None
+    def key_slot(self, layer: int, rows: int, dtype) -> "qk_rope.KeySlot | None":
+        """Where block `layer`'s cache keeps this forward's `rows` rotated keys of `dtype` (its cache and the
+        chunk's first row), for the q/k kernel to write them into as the cache stores them
+        (`WanSelfAttention.qkv`); `self_kv` then gets None in their place. None: no cache, or none the kernel can
+        write into (`self_kv` stores the keys it is given)."""
+        return None
 
     def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Block `layer`'s rotated keys and values of this forward -> what its queries attend to."""
@@ -440,9 +451,10 @@ class WanAttentionBlock(nn.Module):
         e = self.modulation_vectors(e0)
         attn, cross = self.self_attn, self.cross_attn
         x, h = block_input(x, self.norm1, (attn.q, attn.k, attn.v), pending, modulation=(e[0], e[1]))
+        keys, slot = functools.partial(kv.self_kv, layer), kv.key_slot(layer, h.shape[0], dtype)
         if keys_only:
-            return attn.store_keys(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer), kv.key_dtype)
-        y = attn(h, grid, freqs, dtype, functools.partial(kv.self_kv, layer), kv.key_dtype)
+            return attn.store_keys(h, grid, freqs, dtype, keys, slot)
+        y = attn(h, grid, freqs, dtype, keys, slot)
         camera = functools.partial(kv.camera, layer, self, cam, dtype)
         x, h = block_input(x, self.norm3, (cross.q,), (y, e[2]), camera)
         y = cross.attend(h, *kv.text_kv(layer, cross, context, dtype), dtype)

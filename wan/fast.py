@@ -52,6 +52,7 @@ from .config import (
 from .dit import Bidirectional
 from .fa3_attention import CachedRows
 from .pipeline import Hooks
+from .qk_rope import KeySlot
 from .schedulers import sampling_sigmas
 
 log = logging.getLogger("LingBot-World")
@@ -275,14 +276,18 @@ class SelfKVCache:
             return evicted, self.local_end + end - self.global_end - evicted
         return 0, self.local_end + end - self.global_end
 
-    @property
-    def key_dtype(self) -> torch.dtype | None:
-        """The dtype keys are stored in where the q/k kernel should write them so (`Bidirectional.key_dtype`): an
-        e4m3 cache's, whose codes it gives as `_store` would (clamped to 448, scale 1); None: otherwise."""
-        return self.dtype if self.dtype == torch.float8_e4m3fn else None
+    def slot(self, k_cache: torch.Tensor, rows: int, dtype) -> KeySlot | None:
+        """`k_cache`'s slots of the chunk being made (`span`), for the q/k kernel to write its `rows` keys of
+        `dtype` into as `_store` would store them (`Bidirectional.key_slot`): in an e4m3 cache its codes clamped to
+        448 at scale 1, or in a cache of the keys' own dtype. None: another cache dtype, or `rows` is not the
+        chunk's. Taken after the chunk's `begin` (which places it)."""
+        a, b = self.span
+        if b - a != rows or self.dtype not in (torch.float8_e4m3fn, dtype):
+            return None
+        return KeySlot(k_cache, a)
 
     def _store(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dtype == self.dtype:  # as stored already (keys from the q/k kernel)
+        if t.dtype == self.dtype:  # as stored already
             return t
         if self._limit is not None:
             t = t.clamp(-self._limit, self._limit)
@@ -320,15 +325,21 @@ class SelfKVCache:
         """`store` into layer `layer`; `start` given: `begin` the chunk there first (a no-op for its later
         forwards and layers)."""
         if start is not None:
+            if k is None:  # keys already written into slots (`slot`), which only a placed chunk has
+                raise ValueError(
+                    "SelfKVCache.write: keys written into the cache need their chunk placed first"
+                )
             self.begin(start, k.shape[0])
         return self.store(self.k[layer], self.v[layer], k, v)
 
-    def store(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write a chunk's keys and values into one layer's cache at `span`; returns what its queries attend to,
-        the cache up to the chunk's end, in the cache's dtype (aligned right: the whole cache, as `CachedRows`)."""
+    def store(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor):
+        """Write a chunk's keys and values into one layer's cache at `span` (k None: the q/k kernel wrote them
+        there, `slot`); returns what its queries attend to, the cache up to the chunk's end, in the cache's dtype
+        (aligned right: the whole cache, as `CachedRows`)."""
         a, b = self.span
         for cache, new in ((k_cache, k), (v_cache, v)):
-            cache[a:b] = self._store(new)
+            if new is not None:
+                cache[a:b] = self._store(new)
         if self.start is not None:
             return CachedRows(k_cache, self.start), CachedRows(v_cache, self.start)
         return k_cache[:b], v_cache[:b]
@@ -348,9 +359,8 @@ class ChunkCausal(Bidirectional):
         self.text: list = [None] * num_layers
         self.cams: list | None = None  # each block's camera injection of the chunk, kept (`FastSession`)
 
-    @property
-    def key_dtype(self):
-        return self.cache.key_dtype
+    def key_slot(self, layer, rows, dtype):
+        return self.cache.slot(self.cache.k[layer], rows, dtype)
 
     def self_kv(self, layer, k, v):
         return self.cache.write(layer, k, v)
@@ -380,9 +390,8 @@ class LayerKeys(Bidirectional):
     def __init__(self, cache: SelfKVCache, k: torch.Tensor, v: torch.Tensor, text, cam=None):
         self.cache, self.k, self.v, self.text, self.cam = cache, k, v, text, cam
 
-    @property
-    def key_dtype(self):
-        return self.cache.key_dtype
+    def key_slot(self, layer, rows, dtype):
+        return self.cache.slot(self.k, rows, dtype)
 
     def self_kv(self, layer, k, v):
         return self.cache.store(self.k, self.v, k, v)

@@ -18,14 +18,16 @@ an op: `_register`): each head at a fixed scale from its norm's weights (`head_b
 rounded to the query's dtype first, as the unfused path quantizes it. That saves the per-head amax and the cast, two
 more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph). With an fp8 K/V
 cache it writes the keys as the cache stores them (`norm_rope` into e4m3): rounded to the keys' dtype, clamped to
-e4m3's range and cast, at scale 1, the codes the cache's own cast gives; the cache then copies 1 byte an element
-where it read the keys' 2 from memory again.
+e4m3's range and cast, at scale 1, the codes the cache's own cast gives. Into an e4m3 cache, or one of the keys' own
+dtype, it writes them where the cache keeps the chunk's keys (`norm_rope_into`), so the cache neither reads them
+again nor copies them.
 
 Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence
 parallel (`WanSelfAttention.rotates_in_norm`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -159,10 +161,32 @@ def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) 
     """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x)
     viewed as [tokens, heads, d] with `table`. `out_dtype` e4m3: an fp8 K/V cache's keys, rounded to x's dtype,
     clamped to e4m3's range and cast (scale 1), as the cache stores a key of x's dtype."""
-    if out_dtype == FP8:
-        return torch.ops.lingbot.qk_rope_codes(x, norm.weight, table, None, norm.eps)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if out_dtype == FP8:
+        norm_rope_into(norm, x, table, KeySlot(out, 0))
+        return out
     return _launch(x, norm.weight, table, out, None, norm.eps)
+
+
+class KeySlot(NamedTuple):
+    """Where a K/V cache keeps a chunk's keys (`Bidirectional.key_slot`): the layer's whole cache [rows, heads,
+    head_dim] and the chunk's first row. The whole cache and a row, not a slice of it: compiled with dynamic shapes
+    (live play's growing chunks), inductor handed an op a view of a slice at a symbolic row without the row's
+    offset."""
+
+    cache: torch.Tensor
+    start: int
+
+
+def norm_rope_into(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, slot: KeySlot) -> None:
+    """`norm_rope(norm, x, table, slot.cache.dtype)` written into the cache's rows from `slot.start` on (a K/V
+    cache's slots of the chunk: the keys land where the cache keeps them, as it stores them, with no copy)."""
+    cache = slot.cache
+    if not cache.is_contiguous() or cache[0].numel() != x.shape[1]:
+        raise ValueError(
+            f"norm_rope_into: expected a contiguous cache of rows {x.shape[1]} wide, got {list(cache.shape)}"
+        )
+    torch.ops.lingbot.qk_rope_into(x, norm.weight, table, norm.eps, cache, slot.start)
 
 
 def _codes(
@@ -172,15 +196,36 @@ def _codes(
     return _launch(x, weight, table, torch.empty(x.shape, dtype=FP8, device=x.device), scale, eps)
 
 
+def _into(
+    x: torch.Tensor, weight: torch.Tensor, table: torch.Tensor, eps: float, cache: torch.Tensor, start: int
+) -> None:
+    """The rotated rows written into `cache`'s rows from `start` on, in its dtype (e4m3: at scale 1)."""
+    out = cache.view(cache.shape[0], -1)[start : start + x.shape[0]]
+    if out.shape != x.shape:
+        raise ValueError(f"qk_rope_into: rows {start}..{start + x.shape[0]} of a cache of {cache.shape[0]}")
+    _launch(x, weight, table, out, None, eps)
+
+
 def _register() -> None:
-    """`torch.ops.lingbot.qk_rope_codes`, once per process (the pack may be imported under two names): opaque to
-    torch.compile, as `wan.fp8_inputs`'s kernels are (an e4m3 cast traced as a user kernel can fail inductor's own
-    Triton compile)."""
-    try:
-        torch.ops.lingbot.qk_rope_codes  # noqa: B018
-    except (AttributeError, RuntimeError):
-        op = torch.library.custom_op("lingbot::qk_rope_codes", _codes, mutates_args=())
-        op.register_fake(lambda x, weight, table, scale, eps: x.new_empty(x.shape, dtype=FP8))
+    """`torch.ops.lingbot.qk_rope_codes` and `qk_rope_into`, once per process (the pack may be imported under two
+    names): opaque to torch.compile, as `wan.fp8_inputs`'s kernels are (an e4m3 cast traced as a user kernel can
+    fail inductor's own Triton compile). `qk_rope_into` declares that it writes `cache`, so inductor hands it the K/V
+    cache itself (no copy of the cache, none of the keys)."""
+    for name, make in (("qk_rope_codes", _make_codes_op), ("qk_rope_into", _make_into_op)):
+        try:
+            getattr(torch.ops.lingbot, name)
+        except (AttributeError, RuntimeError):
+            make()
+
+
+def _make_codes_op() -> None:
+    op = torch.library.custom_op("lingbot::qk_rope_codes", _codes, mutates_args=())
+    op.register_fake(lambda x, weight, table, scale, eps: x.new_empty(x.shape, dtype=FP8))
+
+
+def _make_into_op() -> None:
+    op = torch.library.custom_op("lingbot::qk_rope_into", _into, mutates_args=("cache",))
+    op.register_fake(lambda x, weight, table, eps, cache, start: None)
 
 
 _register()

@@ -276,9 +276,9 @@ rope_cases["key_slot_compiled_dynamic"] = key_slot_compiled_case(dynamic=True)
 
 def key_slot_block_case(dtype=torch.bfloat16) -> dict:
     """A DiT block's forward (`WanAttentionBlock`, the RoPE table given, as the compiled runners give it) into a
-    chunk-causal cache at chunk 1: with the cache's slots offered, and with none (`SelfKVCache.slot` returning
-    None). Whether the block had the kernel write its keys into the cache, and whether the caches and outputs
-    agree."""
+    chunk-causal cache at chunk 1, whole and for its keys alone (`keys_only`, the commit pass's last block): with the
+    cache's slots offered, and with none (`SelfKVCache.slot` returning None). Whether the block had the kernel write
+    its keys into the cache, and whether the caches and outputs agree."""
     model = TinyRun(layers=1, use_fp8=False).model.to(dtype)
     block = model.blocks[0]
     grid = (1, 2, 4)
@@ -290,7 +290,7 @@ def key_slot_block_case(dtype=torch.bfloat16) -> dict:
     context = torch.randn(7, dim, generator=g).to(dtype)
     calls, real_into, real_slot = [], qk_rope.norm_rope_into, fast.SelfKVCache.slot
 
-    def run(offer: bool):
+    def run(offer: bool, keys_only: bool = False):
         cache = fast.SelfKVCache(1, 3 * tokens, heads, dim // heads, 0, dtype, "cpu")
         cache.begin(0, tokens)
         cache.begin(tokens, tokens)
@@ -298,15 +298,21 @@ def key_slot_block_case(dtype=torch.bfloat16) -> dict:
         if not offer:
             fast.SelfKVCache.slot = lambda *a: None
         try:
-            out = block(x, e0, grid, table, context, None, dtype, 0, fast.ChunkCausal(cache, 1))
+            kv = fast.ChunkCausal(cache, 1)
+            out = block(x, e0, grid, table, context, None, dtype, 0, kv, keys_only=keys_only)
         finally:
             qk_rope.norm_rope_into, fast.SelfKVCache.slot = real_into, real_slot
         return out, cache.k[0]
 
     (out, k), (out0, k0) = run(True), run(False)
+    (none, k_only), (_, k_only0) = (
+        run(True, keys_only=True),
+        run(False, keys_only=True),
+    )  # the commit's last block
     return {
         "into_calls": calls,
         "keys_equal": torch.equal(k, k0),
+        "keys_only_equal": none is None and torch.equal(k_only, k_only0) and torch.equal(k_only, k),
         "chunk_written": bool(k[tokens : 2 * tokens].ne(0).any(dim=(1, 2)).all()),
         "out_equal": torch.equal(out, out0),
     }

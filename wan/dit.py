@@ -238,13 +238,13 @@ class WanSelfAttention(nn.Module):
 
     def qkv(self, x, dtype, out=None, rope=None, q_codes=False, key_slot=None, queries=True):
         """The normed queries and keys and the values of tokens `x`, each [L, heads, head_dim] in `dtype`
-        (`queries` False: None in the queries' place, none made; `key_slot`: None in the keys').
-        `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries
-        at a time: the lean blocks). `rope`: the compiled runner's RoPE table, to rotate q and k by in their
-        norm's kernel (`wan.qk_rope`, where `rotates_in_norm`); `q_codes` (with `rope`): the queries come out of
-        it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`); `key_slot` (with `rope`): where the K/V
-        cache keeps these keys (`Bidirectional.key_slot`), which the kernel writes them into as the cache stores
-        them."""
+        (`queries` False: None in the queries' place, none made; the keys written into `key_slot`: None in theirs).
+        `out`: three buffers to write them into, each as soon as it is made (one token chunk's temporaries at a
+        time: the lean blocks; `key_slot` is then not used). `rope`: the compiled runner's RoPE table, to rotate q
+        and k by in their norm's kernel (`wan.qk_rope`, where `rotates_in_norm`); `q_codes` (with `rope`): the
+        queries come out of it as FlashAttention-3's e4m3 `HeadCodes` (`wan.fa3_attention`); `key_slot` (with
+        `rope`): where the K/V cache keeps these keys (`Bidirectional.key_slot`), which the kernel writes them into
+        as the cache stores them."""
         n, d = self.num_heads, self.head_dim
 
         def normed(norm, t):
@@ -259,7 +259,7 @@ class WanSelfAttention(nn.Module):
 
         def make_keys():
             t = linear(self.k, x, dtype)
-            if rope is None or key_slot is None:
+            if rope is None or key_slot is None or out is not None:
                 return normed(self.norm_k, t).view(-1, n, d)
             qk_rope.norm_rope_into(self.norm_k, t, rope, key_slot)
             return None
@@ -353,8 +353,8 @@ class Bidirectional:
     def key_slot(self, layer: int, rows: int, dtype) -> "qk_rope.KeySlot | None":
         """Where block `layer`'s cache keeps this forward's `rows` rotated keys of `dtype` (its cache and the
         chunk's first row), for the q/k kernel to write them into as the cache stores them
-        (`WanSelfAttention.qkv`); `self_kv` then gets None in their place. None: no cache, or none the kernel can
-        write into (`self_kv` stores the keys it is given)."""
+        (`WanSelfAttention.qkv`, where the kernel runs); `self_kv` then gets None in their place. None: no cache, or
+        none the kernel can write into (`self_kv` stores the keys it is given, as where the kernel does not run)."""
         return None
 
     def self_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor):

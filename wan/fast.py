@@ -241,7 +241,8 @@ class SelfKVCache:
     `global_end`: token end of the latest chunk in the whole clip; `local_end`: where it ends in the
     cache. `begin(start, n)` places a chunk whose clip tokens start at `start`, once per chunk (the same
     placement for every layer and forward: a new chunk that overflows rolls the cache first);
-    `write(layer, k, v)` then stores a layer's keys in the chunk's slots and returns what its queries
+    `write(layer, k, v)` then stores a layer's keys (None: the q/k kernel wrote them there, `slot`) and values in
+    the chunk's slots and returns what its queries
     attend to, cache[:end], as stored (an fp8 cache's e4m3 values: the attention backend casts them to the
     compute dtype, or the fp8 backend takes them as they are). The placement is plain integers, fixed per chunk and the
     same for every chunk once the window is full: the fixed-shape compiled blocks see constants (live play's
@@ -280,7 +281,7 @@ class SelfKVCache:
         """`k_cache`'s slots of the chunk being made (`span`), for the q/k kernel to write its `rows` keys of
         `dtype` into as `_store` would store them (`Bidirectional.key_slot`): in an e4m3 cache its codes clamped to
         448 at scale 1, or in a cache of the keys' own dtype. None: another cache dtype, or `rows` is not the
-        chunk's. Taken after the chunk's `begin` (which places it)."""
+        chunk's. The chunk must be placed (`begin`) before the block's forward takes its slot."""
         a, b = self.span
         if b - a != rows or self.dtype not in (torch.float8_e4m3fn, dtype):
             return None

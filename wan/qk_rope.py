@@ -16,11 +16,10 @@ taken in another order and rsqrt is Triton's, so a value can move by one roundin
 With ``--attention fa3_fp8`` the same kernel writes the queries as FlashAttention-3's e4m3 codes (`norm_rope_codes`,
 an op: `_register`): each head at a fixed scale from its norm's weights (`head_bound_scale`), the rotated value
 rounded to the query's dtype first, as the unfused path quantizes it. That saves the per-head amax and the cast, two
-more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph). With an fp8 K/V
-cache it writes the keys as the cache stores them (`norm_rope` into e4m3): rounded to the keys' dtype, clamped to
-e4m3's range and cast, at scale 1, the codes the cache's own cast gives. Into an e4m3 cache, or one of the keys' own
-dtype, it writes them where the cache keeps the chunk's keys (`norm_rope_into`), so the cache neither reads them
-again nor copies them.
+more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph). Into a K/V
+cache of e4m3, or of the keys' own dtype, it writes the keys where the cache keeps the chunk's keys
+(`norm_rope_into`), as the cache stores them: in e4m3 rounded to the keys' dtype, clamped to e4m3's range and cast,
+at scale 1, the codes the cache's own cast gives. So the cache neither reads them again nor copies them.
 
 Used on CUDA where Triton is installed, by blocks given the real table (compiled runners) outside sequence
 parallel (`WanSelfAttention.rotates_in_norm`); under TRITON_INTERPRET=1 also on CPU tensors (the tests).
@@ -169,10 +168,10 @@ def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) 
 
 
 class KeySlot(NamedTuple):
-    """Where a K/V cache keeps a chunk's keys (`Bidirectional.key_slot`): the layer's whole cache [rows, heads,
-    head_dim] and the chunk's first row. The whole cache and a row, not a slice of it: compiled with dynamic shapes
-    (live play's growing chunks), inductor handed an op a view of a slice at a symbolic row without the row's
-    offset."""
+    """Where a K/V cache keeps a chunk's keys (`Bidirectional.key_slot`): the layer's whole cache (contiguous, its
+    rows as wide as the keys: [rows, heads, head_dim]) and the chunk's first row. The whole cache and a row, not a
+    slice of it: compiled with dynamic shapes (live play's growing chunks), inductor handed an op a view of a slice at
+    a symbolic row without the row's offset."""
 
     cache: torch.Tensor
     start: int
@@ -180,12 +179,16 @@ class KeySlot(NamedTuple):
 
 def norm_rope_into(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, slot: KeySlot) -> None:
     """`norm_rope(norm, x, table, slot.cache.dtype)` written into the cache's rows from `slot.start` on (a K/V
-    cache's slots of the chunk: the keys land where the cache keeps them, as it stores them, with no copy)."""
+    cache's slots of the chunk: the keys land where the cache keeps them, as it stores them, with no copy). The
+    cache is e4m3 or x's dtype: the casts the cache's own store makes."""
     cache = slot.cache
-    if not cache.is_contiguous() or cache[0].numel() != x.shape[1]:
+    if not cache.is_contiguous() or cache[0].numel() != x.shape[1] or cache.dtype not in (FP8, x.dtype):
         raise ValueError(
-            f"norm_rope_into: expected a contiguous cache of rows {x.shape[1]} wide, got {list(cache.shape)}"
+            f"norm_rope_into: expected a contiguous e4m3 or {x.dtype} cache of rows {x.shape[1]} wide, got "
+            f"{list(cache.shape)} {cache.dtype}"
         )
+    if slot.start < 0:
+        raise ValueError(f"norm_rope_into: the chunk's first row must not be negative, got {slot.start}")
     torch.ops.lingbot.qk_rope_into(x, norm.weight, table, norm.eps, cache, slot.start)
 
 

@@ -177,7 +177,7 @@ rope_cases["codes_fp32"] = rope_codes_case(torch.float32)
 
 
 def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) -> dict:
-    """The k kernel writing an fp8 cache's keys (`qk_rope.norm_rope` into e4m3, scale 1) against its keys in `dtype`
+    """The k kernel writing an fp8 cache's keys (`qk_rope.norm_rope_into` an e4m3 buffer, scale 1) against its keys in `dtype`
     clamped and cast as the cache stores them (the interpreter's cast on both sides; one head's weights large
     enough to clamp); then a self-attention's forward into an fp8 cache with the kernel writing the keys into the
     cache's slots (`key_slot`) and without (the keys in `dtype`, which the cache casts with torch's cast)."""
@@ -187,7 +187,8 @@ def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) 
     attn.norm_k.weight.data[:d] *= 300
     table = dit.rope_table(grid, dit.rope_freqs(d))
     x = (torch.randn(tokens, heads * d, generator=g) * 3).to(dtype)
-    codes = qk_rope.norm_rope(attn.norm_k, x, table, torch.float8_e4m3fn)
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    qk_rope.norm_rope_into(attn.norm_k, x, table, qk_rope.KeySlot(codes, 0))
     keys = qk_rope.norm_rope(attn.norm_k, x, table, dtype)
     want = interpreted_e4m3(keys.float().clamp(-448, 448))
 

@@ -157,13 +157,9 @@ def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
 
 
 def norm_rope(norm: nn.Module, x: torch.Tensor, table: torch.Tensor, out_dtype) -> torch.Tensor:
-    """RoPE(norm(x)) [tokens, width] in `out_dtype` for a `WanRMSNorm` `norm`, as `rope_apply` of norm(x)
-    viewed as [tokens, heads, d] with `table`. `out_dtype` e4m3: an fp8 K/V cache's keys, rounded to x's dtype,
-    clamped to e4m3's range and cast (scale 1), as the cache stores a key of x's dtype."""
+    """RoPE(norm(x)) [tokens, width] in `out_dtype` (the attention's) for a `WanRMSNorm` `norm`, as `rope_apply` of
+    norm(x) viewed as [tokens, heads, d] with `table`. An fp8 K/V cache's e4m3 keys come from `norm_rope_into`."""
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    if out_dtype == FP8:
-        norm_rope_into(norm, x, table, KeySlot(out, 0))
-        return out
     return _launch(x, norm.weight, table, out, None, norm.eps)
 
 

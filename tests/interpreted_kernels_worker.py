@@ -129,6 +129,10 @@ rope_cases = {
     "fp16_strided": rope_case(torch.float16, strided=True),
     "bf16": rope_case(torch.bfloat16),
 }
+# rows read as whole tiles and split in registers (the 14B's width on a GPU)
+narrow, qk_rope.STRIDED_COLS = qk_rope.STRIDED_COLS, 0
+rope_cases["fp16_whole_tiles"] = rope_case(torch.float16)
+qk_rope.STRIDED_COLS = narrow
 table, freqs = dit.rope_table((2, 3, 5), dit.rope_freqs(24)), dit.rope_freqs(24)
 zero = qk_rope.norm_rope(dit.WanRMSNorm(96), torch.zeros(30, 96), table, torch.float32)
 rope_cases["zero_rows"] = {"finite": bool(torch.isfinite(zero).all()), "max_abs": float(zero.abs().max())}
@@ -386,6 +390,20 @@ for name, t in {
         "scale_max_rel": float(((scale - want_scale).abs() / want_scale).max()),
         "codes_equal": float((codes.float() == like_for_like(t, want_scale).float()).float().mean()),
     }
+# the camera layers' inputs: codes of a sum or of a SiLU, each rounded to the rows' dtype first (fp16: the interpreter
+# rounds it to nearest, as torch does)
+for name, (t, plus, silu) in {
+    "rows_plus": (mat(3, torch.float16), mat(2, torch.float16), False),
+    "rows_silu": (mat(4, torch.float16), None, True),
+}.items():
+    codes, scale = fp8_inputs.quantize_rows(t, plus, silu)
+    y = F.silu(t) if silu else t + plus
+    _, want_scale = fp8.quantize_rows(y)
+    inputs[name] = {
+        "scale_max_rel": float(((scale - want_scale).abs() / want_scale).max()),
+        "codes_equal": float((codes.float() == like_for_like(y, want_scale).float()).float().mean()),
+        "plain_equal": float((codes.float() == like_for_like(t, want_scale).float()).float().mean()),
+    }
 inputs["usable"] = {
     "fp32": fp8_inputs.usable(x, (mat(), None)),
     "bf16_gated": fp8_inputs.usable(x.bfloat16(), (mat(), vec())),
@@ -407,6 +425,13 @@ for name in input_calls:
         fp8_inputs, name, lambda *a, _n=name: input_calls[_n].append(list(a[0].shape)) or real_fns[_n](*a)
     )
 run.forward()  # one forward's calls
+forward_calls = {name: len(calls) for name, calls in input_calls.items()}
+with torch.no_grad():  # the kept camera injections of one chunk, against each block's own
+    cam_tokens = run.model.embed_camera(run.cam, torch.float32)
+    kept = run.model.camera_injections(cam_tokens, torch.float32)
+    camera_calls = len(input_calls["quantize_rows"]) - forward_calls["quantize_rows"]
+    own = [block.camera(cam_tokens, torch.float32) for block in run.model.blocks]
+del input_calls["quantize_rows"][forward_calls["quantize_rows"] :]
 for name, fn in real_fns.items():
     setattr(fp8_inputs, name, fn)
 
@@ -435,6 +460,13 @@ def fused_against_unfused(compute_dtype, cast_like_for_like: bool) -> float:
 
 inputs["forward"] = {
     "calls": input_calls,
+    # the kept injections: the tokens' codes once for all blocks, then 2 a block; 3 a block made one by one
+    "camera_calls": camera_calls,
+    "kept_equal_own": all(
+        torch.equal(a, b)
+        for pair, mine in zip(kept, own, strict=True)
+        for a, b in zip(pair, mine, strict=True)
+    ),
     "dim": run.model.blocks[0].norm1.normalized_shape[0],
     # fp32 compute, e4m3 cast the same way on both sides: the same forward
     "rel_fp32_like_for_like": fused_against_unfused(torch.float32, True),

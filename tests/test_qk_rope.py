@@ -12,10 +12,11 @@ from lingbot_world.wan import dit, parallel, qk_rope
 
 def test_kernel_matches_rmsnorm_then_rope(interpreted_kernels):
     cases = interpreted_kernels["rope_cases"]
-    for name in ("fp32", "fp16", "fp16_strided", "bf16"):
+    for name in ("fp32", "fp16", "fp16_strided", "fp16_whole_tiles", "bf16"):
         assert cases[name]["usable"] and cases[name]["shape"] == [30, 96], name
-    # fp16: the module's roundings (norm, weight, rotation, output) one for one: every value equal
-    for name in ("fp16", "fp16_strided"):
+    # fp16: the module's roundings (norm, weight, rotation, output) one for one: every value equal, its pairs read at
+    # a stride of two or as whole tiles (96 columns: tiles of 64 and 32)
+    for name in ("fp16", "fp16_strided", "fp16_whole_tiles"):
         assert cases[name]["equal"] == 1.0 and cases[name]["forward_rel"] == 0.0, cases[name]
     assert cases["fp16_strided"]["stride"] == 128  # rows read at the view's stride
     # fp32: within a rounding of the largest value (the sum of squares is taken in another order)

@@ -208,14 +208,28 @@ class WanLayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).type_as(x)
 
 
+def linear_input(
+    rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None, silu: bool = False
+) -> torch.Tensor | RowCodes:
+    """rows [L, C] (`plus`: rows + plus; `silu`: F.silu(rows); one or the other) as the input of `layers`: their e4m3
+    `RowCodes`, made once for all of them by `wan.fp8_inputs.quantize_rows` where they all take codes and the kernel
+    runs (the sum or the SiLU taken in the same pass), else the rows as they are. For inputs whose producer inductor
+    cannot fuse the quantization into (an attention kernel, a GEMM): its own looped reduction took 2-4 times the
+    kernel's time there."""
+    if plus is not None and silu:
+        raise ValueError("linear_input: a sum or a SiLU, not both")
+    like = plus is None or (
+        plus.shape == rows.shape and plus.dtype == rows.dtype and fp8_inputs.quantizes(plus)
+    )
+    if like and take_codes(*layers) and fp8_inputs.quantizes(rows):
+        return RowCodes(*fp8_inputs.quantize_rows(rows, plus, silu))
+    rows = F.silu(rows) if silu else rows
+    return rows if plus is None else rows + plus
+
+
 def attention_rows(out: torch.Tensor, layer: nn.Linear) -> torch.Tensor | RowCodes:
-    """An attention's output [L, heads, d] as its o-projection `layer`'s input [L, heads * d]: e4m3 `RowCodes` from
-    `wan.fp8_inputs.quantize_rows` where the layer takes codes and the kernel runs (inductor has no producer to fuse
-    this quantization into: the attention is a kernel of its own), else as it is."""
-    rows = out.flatten(1)
-    if take_codes(layer) and fp8_inputs.quantizes(rows):
-        return RowCodes(*fp8_inputs.quantize_rows(rows))
-    return rows
+    """An attention's output [L, heads, d] as its o-projection `layer`'s input [L, heads * d] (`linear_input`)."""
+    return linear_input(out.flatten(1), layer)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype) -> torch.Tensor:
@@ -469,10 +483,14 @@ class WanAttentionBlock(nn.Module):
     def attention_input(self, x, e):
         return modulated(self.norm1(x), (e[0], e[1]))
 
-    def camera(self, cam, dtype):
-        """The camera injection's (scale, shift) of camera tokens `cam`: x becomes (1 + scale) * x + shift."""
-        h = linear(self.cam_injector_layer1, cam, dtype)
-        h = linear(self.cam_injector_layer2, F.silu(h), dtype) + cam
+    def camera(self, cam, dtype, cam_input=None):
+        """The camera injection's (scale, shift) of camera tokens `cam`: x becomes (1 + scale) * x + shift.
+        `cam_input`: cam's `RowCodes` for every block's first camera layer, made once for all blocks
+        (`WanModel.camera_injections`; None, or cam as it is: made here where this block's layer takes codes)."""
+        first, second = self.cam_injector_layer1, self.cam_injector_layer2
+        h = linear(first, cam_input if isinstance(cam_input, RowCodes) else linear_input(cam, first), dtype)
+        h = linear(second, linear_input(h, second, silu=True), dtype)
+        h = linear_input(h, self.cam_scale_layer, self.cam_shift_layer, plus=cam)
         return linear(self.cam_scale_layer, h, dtype), linear(self.cam_shift_layer, h, dtype)
 
     def ffn_input(self, x, e):
@@ -711,9 +729,12 @@ class WanModel(nn.Module):
         sp = self.sequence_parallel
         if sp is not None:
             cam_tokens = sp.split(cam_tokens)
+        # the tokens' codes once for every block's first camera layer (the same input in each)
+        cam_input = linear_input(cam_tokens, *(block.cam_injector_layer1 for block in self.blocks))
         pairs = []
         for i, block in enumerate(self.blocks):
-            made = block.camera(cam_tokens, dtype) if runner is None else runner(block, cam_tokens, dtype)
+            run = block.camera if runner is None else functools.partial(runner, block)
+            made = run(cam_tokens, dtype, cam_input)
             if out is not None:
                 for buffer, value in zip(out[i], made, strict=True):
                     buffer.copy_(value)

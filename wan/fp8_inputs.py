@@ -1,5 +1,6 @@
 """fp8 linears' inputs in one pass (Triton): a block's residual update, LayerNorm, modulation and each row's e4m3
-codes (`norm_codes`), and the row quantization of an attention's output (`quantize_rows`).
+codes (`norm_codes`), and the row quantization of an attention's output or of the camera layers' inputs, a sum or a
+SiLU taken on the way (`quantize_rows`).
 
 With fp8 linears, each of a block's three norms (before self-attention, cross-attention and the FFN) feeds scaled
 matmuls that take the normed rows as e4m3 codes with a scale per row (`wan.fp8.quantize_rows`). Compiled, inductor
@@ -223,11 +224,30 @@ if triton is not None:
 
     @triton.jit
     def _codes_rows(
-        t_ptr, codes_ptr, scale_ptr, rows, cols, t_stride, BLOCK: tl.constexpr, ROWS: tl.constexpr
+        t_ptr,
+        plus_ptr,
+        codes_ptr,
+        scale_ptr,
+        rows,
+        cols,
+        t_stride,
+        plus_stride,
+        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
+        PLUS: tl.constexpr,
+        SILU: tl.constexpr,
     ):
+        """The rows' codes; `PLUS`: of t + plus, `SILU`: of SiLU(t), each rounded to t's dtype as torch returns it."""
         r, c, mask, offsets = _row_tile(tl.program_id(0) * ROWS, rows, cols, 0, BLOCK, ROWS)
-        y = tl.load(t_ptr + r.to(tl.int64)[:, None] * t_stride + c[None, :], mask=mask, other=0.0)
-        _store_row_codes(y.to(tl.float32), codes_ptr, scale_ptr, r, rows, offsets, mask)
+        r64 = r.to(tl.int64)[:, None]
+        y = tl.load(t_ptr + r64 * t_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PLUS:
+            y += tl.load(plus_ptr + r64 * plus_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SILU:
+            y = y / (1.0 + tl.exp(-y))  # torch's formula
+        if PLUS or SILU:
+            y = y.to(t_ptr.dtype.element_ty).to(tl.float32)
+        _store_row_codes(y, codes_ptr, scale_ptr, r, rows, offsets, mask)
 
 
 def _outputs(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,11 +259,25 @@ def _grid(rows: int) -> tuple[int]:
     return (triton.cdiv(rows, ROWS),)
 
 
-def _launch_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_rows(t: torch.Tensor, plus: torch.Tensor | None, silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = t.shape
     codes, scale = _outputs(rows, cols, t.device)
     block = triton.next_power_of_2(cols)
-    _codes_rows[_grid(rows)](t, codes, scale, rows, cols, t.stride(0), BLOCK=block, ROWS=ROWS, num_warps=4)
+    _codes_rows[_grid(rows)](
+        t,
+        t if plus is None else plus,  # absent: any pointer (its load is compiled out)
+        codes,
+        scale,
+        rows,
+        cols,
+        t.stride(0),
+        t.stride(0) if plus is None else plus.stride(0),
+        BLOCK=block,
+        ROWS=ROWS,
+        PLUS=plus is not None,
+        SILU=silu,
+        num_warps=4,
+    )
     return codes, scale
 
 
@@ -290,15 +324,18 @@ def _launch_norm(
 
 
 def _register() -> None:
-    """`torch.ops.lingbot.fp8_quantize_rows` and `torch.ops.lingbot.fp8_norm_codes`, once per process (the pack may be
-    imported under two names). Opaque to torch.compile: traced as a user kernel, the norm kernel failed inductor's
+    """`torch.ops.lingbot.fp8_codes_rows` and `torch.ops.lingbot.fp8_norm_codes`, each once per process (the pack
+    may be imported under two names). Opaque to torch.compile: traced as a user kernel, the norm kernel failed inductor's
     own Triton compile on an H200 ("Unsupported rounding mode for conversion" in the LLVM lowering) where the same
     kernel launched as written compiles; as ops, a compiled block calls them as they are (no graph break)."""
     try:
+        torch.ops.lingbot.fp8_codes_rows  # noqa: B018
+    except (AttributeError, RuntimeError):
+        rows = torch.library.custom_op("lingbot::fp8_codes_rows", _launch_rows, mutates_args=())
+        rows.register_fake(lambda t, plus, silu: _outputs(t.shape[0], t.shape[1], t.device))
+    try:
         torch.ops.lingbot.fp8_norm_codes  # noqa: B018
     except (AttributeError, RuntimeError):
-        rows = torch.library.custom_op("lingbot::fp8_quantize_rows", _launch_rows, mutates_args=())
-        rows.register_fake(lambda t: _outputs(t.shape[0], t.shape[1], t.device))
         norm = torch.library.custom_op("lingbot::fp8_norm_codes", _launch_norm, mutates_args=())
 
         @norm.register_fake
@@ -311,9 +348,15 @@ def _register() -> None:
 _register()
 
 
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [rows, cols], fp32 scales [rows]) of t, as `wan.fp8.quantize_rows` (where `quantizes`)."""
-    return torch.ops.lingbot.fp8_quantize_rows(t)
+def quantize_rows(
+    t: torch.Tensor, plus: torch.Tensor | None = None, silu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [rows, cols], fp32 scales [rows]) of t, as `wan.fp8.quantize_rows` (where `quantizes`); `plus`
+    (where `quantizes` it too, of t's shape and dtype): of t + plus; `silu`: of F.silu(t); one or the other. The sum
+    or the SiLU is rounded to t's dtype first, as torch returns it, and never written."""
+    if plus is not None and silu:
+        raise ValueError("quantize_rows: a sum or a SiLU, not both")
+    return torch.ops.lingbot.fp8_codes_rows(t, plus, silu)
 
 
 def norm_codes(x, norm, update=None, camera=None, modulation=None):

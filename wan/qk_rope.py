@@ -4,13 +4,14 @@ then RoPE per head from the compiled runner's table (`wan.dit.rope_table`).
 Compiled, inductor fused the norm and the rotation of q and k into one kernel that read each element's pair
 under masks in float64 (93 us a call for a v2 1.3B chunk's 6,032 tokens on an H100, 13.4 ms a steady chunk),
 and it kept the normed values in fp32 where the module rounds them to bf16: its q came out 0.37 % (relative L2)
-from the eager path's. Here one program takes a token: one read of the whole row, split into its pairs in
-registers, one write (22 us a call, q and k apart), and the roundings are the module's: 99.9998 % of the values
-equal the eager path's on that shape (BENCHMARKS.md).
+from the eager path's. Here one program takes a token: one read of the row, as two power-of-two column tiles of pairs
+(1,536 = 1,024 + 512; 5,120 = 4,096 + 1,024, where one padded tile left a quarter or three eighths of its lanes idle),
+one write (14.6-16.7 us a call at the 1.3B's keys and queries on an H200, `STRIDED_COLS`), and the roundings are the
+module's: 99.9998 % of the values equal the eager path's on that shape (BENCHMARKS.md).
 
 Same formulas as the unfused eager path (`WanRMSNorm`, then `rope_apply`'s real float64 product): the mean of
-squares in fp32, rsqrt(+ eps), the product rounded to the input's dtype and multiplied by the weight in that
-dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's dtype. The sum of squares is
+squares in fp32 (each tile's sum, then their sum), rsqrt(+ eps), the product rounded to the input's dtype and
+multiplied by the weight in that dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's dtype. The sum of squares is
 taken in another order and rsqrt is Triton's, so a value can move by one rounding of the input's dtype.
 
 With ``--attention fa3_fp8`` the same kernel writes the queries as FlashAttention-3's e4m3 codes (`norm_rope_codes`,
@@ -31,7 +32,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .devices import triton, triton_runs_on
+from .devices import power_of_two_blocks, triton, triton_runs_on
 from .fp8_attention import _TINY, FP8, FP8_MAX
 
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
@@ -41,9 +42,16 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _pairs(v, PAIRS: tl.constexpr):
-        """A row read whole (one coalesced load) as its pairs' first and second elements."""
-        return tl.split(tl.reshape(v, [PAIRS, 2]))
+    def _pairs(ptr, first, cols, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+        """The first and second elements of the pairs in a row's columns [first, first + BLOCK), in fp32 (the
+        weights: in their own dtype). `STRIDED`: each read on its own at a stride of two (L1 serves the second);
+        else the tile read whole and split in registers."""
+        if STRIDED:
+            j = first // 2 + tl.arange(0, BLOCK // 2)
+            mask = j < cols // 2
+            return tl.load(ptr + 2 * j, mask=mask, other=0.0), tl.load(ptr + 2 * j + 1, mask=mask, other=0.0)
+        e = first + tl.arange(0, BLOCK)
+        return tl.split(tl.reshape(tl.load(ptr + e, mask=e < cols, other=0.0), [BLOCK // 2, 2]))
 
     @triton.jit
     def _normed(v, rstd, w, x_row):
@@ -67,6 +75,45 @@ if triton is not None:
         return v.to(out_ptr.dtype.element_ty)
 
     @triton.jit
+    def _rotate_tile(
+        a,
+        b,
+        rstd,
+        w_ptr,
+        table_row,
+        scale_ptr,
+        x_row,
+        out_row,
+        first,
+        cols,
+        HALF: tl.constexpr,
+        BLOCK: tl.constexpr,
+        CODES: tl.constexpr,
+        SCALED: tl.constexpr,
+        STRIDED: tl.constexpr,
+    ):
+        """A tile's pairs (`_pairs` of x's row at column `first`) normed, rotated and stored into out's row."""
+        w_a, w_b = _pairs(w_ptr, first, cols, BLOCK, STRIDED)
+        a = _normed(a, rstd, w_a, x_row)
+        b = _normed(b, rstd, w_b, x_row)
+        j = first // 2 + tl.arange(0, BLOCK // 2)
+        mask = j < cols // 2
+        c = j % HALF  # the pair's frequency within its head
+        cos = tl.load(table_row + 2 * c, mask=mask, other=0.0)
+        sin = tl.load(table_row + 2 * c + 1, mask=mask, other=0.0)
+        scale = 1.0
+        if SCALED:
+            scale = tl.load(scale_ptr + j // HALF, mask=mask, other=1.0)  # the pair's head's
+        first_out = _stored(a * cos - b * sin, scale, x_row, out_row, CODES)
+        second_out = _stored(a * sin + b * cos, scale, x_row, out_row, CODES)
+        if STRIDED:
+            tl.store(out_row + 2 * j, first_out, mask=mask)
+            tl.store(out_row + 2 * j + 1, second_out, mask=mask)
+        else:
+            e = first + tl.arange(0, BLOCK)
+            tl.store(out_row + e, tl.reshape(tl.join(first_out, second_out), [BLOCK]), mask=e < cols)
+
+    @triton.jit
     def _rms_rope_rows(
         x_ptr,
         w_ptr,
@@ -77,33 +124,62 @@ if triton is not None:
         x_stride,
         eps,
         HALF: tl.constexpr,
-        PAIRS: tl.constexpr,
+        B0: tl.constexpr,
+        B1: tl.constexpr,
         CODES: tl.constexpr,
         SCALED: tl.constexpr,
+        STRIDED: tl.constexpr,
     ):
+        """One row a program, held as up to two power-of-two column tiles (B0, B1; 0: none), so few lanes idle."""
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * x_stride
         out_row = out_ptr + row * cols
         table_row = table_ptr + row * (2 * HALF)
-        # the row's elements: read and written whole, split into pairs in registers
-        e = tl.arange(0, 2 * PAIRS)
-        row_mask = e < cols
-        a, b = _pairs(tl.load(x_row + e, mask=row_mask, other=0.0).to(tl.float32), PAIRS)
-        rstd = tl.math.rsqrt(tl.sum(a * a + b * b, axis=0) / cols + eps)
-        w_a, w_b = _pairs(tl.load(w_ptr + e, mask=row_mask, other=0.0), PAIRS)
-        a = _normed(a, rstd, w_a, x_row)
-        b = _normed(b, rstd, w_b, x_row)
-        j = tl.arange(0, PAIRS)
-        mask = j < cols // 2
-        c = j % HALF  # the pair's frequency within its head
-        cos = tl.load(table_row + 2 * c, mask=mask, other=0.0)
-        sin = tl.load(table_row + 2 * c + 1, mask=mask, other=0.0)
-        scale = 1.0
-        if SCALED:
-            scale = tl.load(scale_ptr + j // HALF, mask=mask, other=1.0)  # the pair's head's
-        first = _stored(a * cos - b * sin, scale, x_row, out_ptr, CODES)
-        second = _stored(a * sin + b * cos, scale, x_row, out_ptr, CODES)
-        tl.store(out_row + e, tl.reshape(tl.join(first, second), [2 * PAIRS]), mask=row_mask)
+        a0, b0 = _pairs(x_row, 0, cols, B0, STRIDED)
+        a0 = a0.to(tl.float32)
+        b0 = b0.to(tl.float32)
+        squares = tl.sum(a0 * a0 + b0 * b0, axis=0)
+        if B1 > 0:
+            a1, b1 = _pairs(x_row, B0, cols, B1, STRIDED)
+            a1 = a1.to(tl.float32)
+            b1 = b1.to(tl.float32)
+            squares += tl.sum(a1 * a1 + b1 * b1, axis=0)
+        rstd = tl.math.rsqrt(squares / cols + eps)
+        _rotate_tile(
+            a0,
+            b0,
+            rstd,
+            w_ptr,
+            table_row,
+            scale_ptr,
+            x_row,
+            out_row,
+            0,
+            cols,
+            HALF,
+            B0,
+            CODES,
+            SCALED,
+            STRIDED,
+        )
+        if B1 > 0:
+            _rotate_tile(
+                a1,
+                b1,
+                rstd,
+                w_ptr,
+                table_row,
+                scale_ptr,
+                x_row,
+                out_row,
+                B0,
+                cols,
+                HALF,
+                B1,
+                CODES,
+                SCALED,
+                STRIDED,
+            )
 
 
 def usable(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> bool:
@@ -128,16 +204,18 @@ def usable(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> bool:
     )
 
 
-def warps(cols: int) -> int:
-    return 4 if cols <= 2048 else 8
+# Rows up to this wide read their pairs at a stride of two and run 2 warps; wider ones read whole tiles with 4 warps.
+# An H200's sweep in CUDA graphs (BENCHMARKS.md): at 1,536 columns the keys 18.4 -> 14.6 us, the queries' codes 21.7 ->
+# 16.7 (strided, 2 warps); at 5,120 the keys 91.9 -> 49.6, the queries' codes 102.5 -> 62.3 (whole tiles, 4 warps).
+STRIDED_COLS = 2048
 
 
 def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
-    pairs = 1 << max(4, (cols // 2 - 1).bit_length())
-    codes = out.dtype == FP8
+    narrow = cols <= STRIDED_COLS
+    b0, b1 = power_of_two_blocks(cols, 2)
     _rms_rope_rows[(rows,)](
         x,
         weight,
@@ -148,10 +226,12 @@ def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
         x.stride(0),
         eps,
         HALF=table.shape[2],
-        PAIRS=pairs,
-        CODES=codes,
+        B0=b0,
+        B1=b1,
+        CODES=out.dtype == FP8,
         SCALED=scale is not None,
-        num_warps=warps(cols),
+        STRIDED=narrow,
+        num_warps=2 if narrow else 4,
     )
     return out
 

@@ -162,10 +162,10 @@ def run_growing_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys
     return run_chunk_block(block, x, e0, grid, freqs, context, cam, dtype, keys, **deferral)
 
 
-def run_camera(block, cam, dtype):
+def run_camera(block, cam, dtype, cam_input=None):
     """The kept camera injections' compiled function (`wan.fast.FastConfig.camera_cache`): a block's camera
     injection alone, once per chunk."""
-    return block.camera(cam, dtype)
+    return block.camera(cam, dtype, cam_input)
 
 
 def compiler_missing(device: torch.device) -> str | None:

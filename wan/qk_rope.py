@@ -43,9 +43,9 @@ if triton is not None:
 
     @triton.jit
     def _pairs(ptr, first, cols, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
-        """The first and second elements of the pairs in a row's columns [first, first + BLOCK), in fp32 (the
-        weights: in their own dtype). `STRIDED`: each read on its own at a stride of two (L1 serves the second);
-        else the tile read whole and split in registers."""
+        """The first and second elements of the pairs in a row's columns [first, first + BLOCK), in their own dtype
+        (x's go to fp32 next; the weights, read per row, stay as they are). `STRIDED`: each read on its own at a stride
+        of two (L1 serves the second); else the tile read whole and split in registers."""
         if STRIDED:
             j = first // 2 + tl.arange(0, BLOCK // 2)
             mask = j < cols // 2

@@ -129,10 +129,6 @@ rope_cases = {
     "fp16_strided": rope_case(torch.float16, strided=True),
     "bf16": rope_case(torch.bfloat16),
 }
-# rows read as whole tiles and split in registers (the 14B's width on a GPU)
-narrow, qk_rope.STRIDED_COLS = qk_rope.STRIDED_COLS, 0
-rope_cases["fp16_whole_tiles"] = rope_case(torch.float16)
-qk_rope.STRIDED_COLS = narrow
 table, freqs = dit.rope_table((2, 3, 5), dit.rope_freqs(24)), dit.rope_freqs(24)
 zero = qk_rope.norm_rope(dit.WanRMSNorm(96), torch.zeros(30, 96), table, torch.float32)
 rope_cases["zero_rows"] = {"finite": bool(torch.isfinite(zero).all()), "max_abs": float(zero.abs().max())}
@@ -228,6 +224,16 @@ def key_codes_case(dtype, heads: int = 4, d: int = 24, grid: tuple = (2, 3, 5)) 
 
 rope_cases["key_codes_fp16"] = key_codes_case(torch.float16)
 rope_cases["key_codes_bf16"] = key_codes_case(torch.bfloat16)
+# each way of reading a row's pairs (at a stride of two; as whole tiles split in registers, the 14B's on a GPU) at
+# widths of two tiles (96 = 64 + 32), one (64 = 64 + 0) and a second one partly masked (112 = 64 + 64, 48 used): the
+# module's values, the queries' codes and an fp8 cache's keys
+narrow = qk_rope.STRIDED_COLS
+for way, qk_rope.STRIDED_COLS in (("strided", narrow), ("whole_tiles", 0)):
+    for d in (24, 16, 28):
+        rope_cases[f"fp16_{way}_{4 * d}"] = rope_case(torch.float16, d=d)
+    rope_cases[f"codes_fp16_{way}_112"] = rope_codes_case(torch.float16, d=28)
+    rope_cases[f"key_codes_fp16_{way}_112"] = key_codes_case(torch.float16, d=28)
+qk_rope.STRIDED_COLS = narrow
 
 
 def key_slot_compiled_case(dynamic: bool, heads: int = 2, d: int = 16, grid: tuple = (1, 2, 4)) -> dict:
@@ -398,11 +404,14 @@ for name, (t, plus, silu) in {
 }.items():
     codes, scale = fp8_inputs.quantize_rows(t, plus, silu)
     y = F.silu(t) if silu else t + plus
+    loose = F.silu(t.float()) if silu else t.float() + plus
     _, want_scale = fp8.quantize_rows(y)
     inputs[name] = {
         "scale_max_rel": float(((scale - want_scale).abs() / want_scale).max()),
         "codes_equal": float((codes.float() == like_for_like(y, want_scale).float()).float().mean()),
         "plain_equal": float((codes.float() == like_for_like(t, want_scale).float()).float().mean()),
+        # the sum or SiLU left in fp32, not rounded to t's dtype first
+        "unrounded_equal": float((codes.float() == like_for_like(loose, want_scale).float()).float().mean()),
     }
 inputs["usable"] = {
     "fp32": fp8_inputs.usable(x, (mat(), None)),

@@ -218,6 +218,8 @@ def linear_input(
     kernel's time there."""
     if plus is not None and silu:
         raise ValueError("linear_input: a sum or a SiLU, not both")
+    if not layers:
+        raise ValueError("linear_input: name the layers the rows go into")
     like = plus is None or (
         plus.shape == rows.shape and plus.dtype == rows.dtype and fp8_inputs.quantizes(plus)
     )
@@ -723,8 +725,8 @@ class WanModel(nn.Module):
         """Every block's camera injection (`WanAttentionBlock.camera`: its (scale, shift), [L, dim] each) of
         `embed_camera`'s tokens (under sequence parallel, of this rank's token share, as `forward_tokens` splits
         them), as a list of pairs; `out`: an earlier call's list, whose buffers are overwritten and returned (fixed
-        addresses, which a recorded CUDA graph reads). `runner(block, cam, dtype)`: a compiled `block.camera`
-        (None: plain calls). A chunked session runs it once per chunk and hands the pairs to every forward of the
+        addresses, which a recorded CUDA graph reads). `runner(block, cam, dtype, cam_input)`: a compiled
+        `block.camera` (None: plain calls); `cam_input` is the tokens' codes, made once for every block here. A chunked session runs it once per chunk and hands the pairs to every forward of the
         chunk (`wan.fast.ChunkCausal`): the values each forward would compute."""
         sp = self.sequence_parallel
         if sp is not None:

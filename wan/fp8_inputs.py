@@ -244,7 +244,7 @@ if triton is not None:
         if PLUS:
             y += tl.load(plus_ptr + r64 * plus_stride + c[None, :], mask=mask, other=0.0).to(tl.float32)
         if SILU:
-            y = y / (1.0 + tl.exp(-y))  # torch's formula
+            y = y / (1.0 + tl.exp(-y))  # torch's formula (Triton's exp: within a rounding of torch's)
         if PLUS or SILU:
             y = y.to(t_ptr.dtype.element_ty).to(tl.float32)
         _store_row_codes(y, codes_ptr, scale_ptr, r, rows, offsets, mask)
@@ -356,6 +356,11 @@ def quantize_rows(
     or the SiLU is rounded to t's dtype first, as torch returns it, and never written."""
     if plus is not None and silu:
         raise ValueError("quantize_rows: a sum or a SiLU, not both")
+    if plus is not None and (plus.shape != t.shape or plus.dtype != t.dtype or plus.stride(1) != 1):
+        raise ValueError(
+            f"quantize_rows: plus must be of t's shape {list(t.shape)} and dtype {t.dtype}, its columns contiguous; "
+            f"got {list(plus.shape)} {plus.dtype} with strides {plus.stride()}"
+        )
     return torch.ops.lingbot.fp8_codes_rows(t, plus, silu)
 
 

@@ -208,6 +208,9 @@ def usable(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> bool:
 # An H200's sweep in CUDA graphs (BENCHMARKS.md): at 1,536 columns the keys 18.4 -> 14.6 us, the queries' codes 21.7 ->
 # 16.7 (strided, 2 warps); at 5,120 the keys 91.9 -> 49.6, the queries' codes 102.5 -> 62.3 (whole tiles, 4 warps).
 STRIDED_COLS = 2048
+WIDE_COLS = (
+    8192  # wider rows (none of the models') take 8 warps, so a thread holds no more than at 8,192 with 4
+)
 
 
 def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
@@ -231,7 +234,7 @@ def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
         CODES=out.dtype == FP8,
         SCALED=scale is not None,
         STRIDED=narrow,
-        num_warps=2 if narrow else 4,
+        num_warps=2 if narrow else 4 if cols <= WIDE_COLS else 8,
     )
     return out
 

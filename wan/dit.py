@@ -726,8 +726,9 @@ class WanModel(nn.Module):
         `embed_camera`'s tokens (under sequence parallel, of this rank's token share, as `forward_tokens` splits
         them), as a list of pairs; `out`: an earlier call's list, whose buffers are overwritten and returned (fixed
         addresses, which a recorded CUDA graph reads). `runner(block, cam, dtype, cam_input)`: a compiled
-        `block.camera` (None: plain calls); `cam_input` is the tokens' codes, made once for every block here. A chunked session runs it once per chunk and hands the pairs to every forward of the
-        chunk (`wan.fast.ChunkCausal`): the values each forward would compute."""
+        `block.camera` (None: plain calls); `cam_input` is the tokens' codes, made once for every block here. A
+        chunked session runs it once per chunk and hands the pairs to every forward of the chunk
+        (`wan.fast.ChunkCausal`): the values each forward would compute."""
         sp = self.sequence_parallel
         if sp is not None:
             cam_tokens = sp.split(cam_tokens)

@@ -325,9 +325,9 @@ def _launch_norm(
 
 def _register() -> None:
     """`torch.ops.lingbot.fp8_codes_rows` and `torch.ops.lingbot.fp8_norm_codes`, each once per process (the pack
-    may be imported under two names). Opaque to torch.compile: traced as a user kernel, the norm kernel failed inductor's
-    own Triton compile on an H200 ("Unsupported rounding mode for conversion" in the LLVM lowering) where the same
-    kernel launched as written compiles; as ops, a compiled block calls them as they are (no graph break)."""
+    may be imported under two names). Opaque to torch.compile: traced as a user kernel, the norm kernel failed
+    inductor's own Triton compile on an H200 ("Unsupported rounding mode for conversion" in the LLVM lowering) where
+    the same kernel launched as written compiles; as ops, a compiled block calls them as they are (no graph break)."""
     try:
         torch.ops.lingbot.fp8_codes_rows  # noqa: B018
     except (AttributeError, RuntimeError):

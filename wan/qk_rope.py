@@ -11,8 +11,9 @@ module's: 99.9998 % of the values equal the eager path's on that shape (BENCHMAR
 
 Same formulas as the unfused eager path (`WanRMSNorm`, then `rope_apply`'s real float64 product): the mean of
 squares in fp32 (each tile's sum, then their sum), rsqrt(+ eps), the product rounded to the input's dtype and
-multiplied by the weight in that dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's dtype. The sum of squares is
-taken in another order and rsqrt is Triton's, so a value can move by one rounding of the input's dtype.
+multiplied by the weight in that dtype; the pairs rotated in float64 and rounded to fp32, then to the attention's
+dtype. The sum of squares is taken in another order and rsqrt is Triton's, so a value can move by one rounding of the
+input's dtype.
 
 With ``--attention fa3_fp8`` the same kernel writes the queries as FlashAttention-3's e4m3 codes (`norm_rope_codes`,
 an op: `_register`): each head at a fixed scale from its norm's weights (`head_bound_scale`), the rotated value

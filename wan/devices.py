@@ -51,6 +51,15 @@ def power_of_two_blocks(cols: int, count: int) -> tuple[int, ...]:
     return tuple(blocks)
 
 
+def lingbot_op(name: str, fn: Callable, fake: Callable, mutates_args: tuple = ()) -> None:
+    """`fn` as the custom op `torch.ops.lingbot.<name>` with its fake (shape) implementation `fake`, registered once
+    per process: the pack may be imported under two names, and the second import finds the first's op."""
+    try:
+        getattr(torch.ops.lingbot, name)
+    except (AttributeError, RuntimeError):
+        torch.library.custom_op(f"lingbot::{name}", fn, mutates_args=mutates_args).register_fake(fake)
+
+
 def channels_last_3d_strides(shape) -> tuple[int, ...]:
     """The strides of a dense channels-last-3d tensor of `shape` [n, c, t, h, w] (memory n, t, h, w, c), size-1
     dims' included: what the fast decoder's compiled steps are keyed by and its conv kernel writes."""

@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from .devices import card_problem, cuda_index
+from .devices import card_problem, cuda_index, lingbot_op
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -90,16 +90,7 @@ def _kernel(
     return reference(q, k, v, q_scale, k_scale, v_scale, o_scale)
 
 
-def _register() -> None:
-    """`torch.ops.lingbot.fp8_attention`, once per process (the pack may be imported under two names)."""
-    try:
-        torch.ops.lingbot.fp8_attention  # noqa: B018
-    except (AttributeError, RuntimeError):
-        op = torch.library.custom_op("lingbot::fp8_attention", _kernel, mutates_args=())
-        op.register_fake(lambda q, k, v, *scales: torch.empty_like(q))
-
-
-_register()
+lingbot_op("fp8_attention", _kernel, lambda q, k, v, *scales: torch.empty_like(q))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

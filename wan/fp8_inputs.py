@@ -23,13 +23,13 @@ so the residual can move by an fp32 rounding and a code by one e4m3 step (how of
 benchmarks/bench_fp8_inputs.py). Where inductor compiled the camera's injection it did not round 1 + scale to bf16
 as the eager path does; the kernel does.
 
-Used on CUDA where Triton is installed, as two ops (`_register`); elsewhere the unfused path runs. Under
+Used on CUDA where Triton is installed, as two ops (`devices.lingbot_op`); elsewhere the unfused path runs. Under
 TRITON_INTERPRET=1 also on CPU tensors (the tests).
 """
 
 import torch
 
-from .devices import power_of_two_blocks, triton, triton_runs_on
+from .devices import lingbot_op, power_of_two_blocks, triton, triton_runs_on
 
 if triton is not None:
     import triton.language as tl
@@ -323,29 +323,18 @@ def _launch_norm(
     return x_out, codes, scale
 
 
-def _register() -> None:
-    """`torch.ops.lingbot.fp8_codes_rows` and `torch.ops.lingbot.fp8_norm_codes`, each once per process (the pack
-    may be imported under two names). Opaque to torch.compile: traced as a user kernel, the norm kernel failed
-    inductor's own Triton compile on an H200 ("Unsupported rounding mode for conversion" in the LLVM lowering) where
-    the same kernel launched as written compiles; as ops, a compiled block calls them as they are (no graph break)."""
-    try:
-        torch.ops.lingbot.fp8_codes_rows  # noqa: B018
-    except (AttributeError, RuntimeError):
-        rows = torch.library.custom_op("lingbot::fp8_codes_rows", _launch_rows, mutates_args=())
-        rows.register_fake(lambda t, plus, silu: _outputs(t.shape[0], t.shape[1], t.device))
-    try:
-        torch.ops.lingbot.fp8_norm_codes  # noqa: B018
-    except (AttributeError, RuntimeError):
-        norm = torch.library.custom_op("lingbot::fp8_norm_codes", _launch_norm, mutates_args=())
-
-        @norm.register_fake
-        def _(x, update, gate, cam_scale, cam_shift, weight, bias, eps, affine):
-            updated = update is not None or cam_scale is not None
-            x_out = x.new_empty(x.shape[0] if updated else 0, x.shape[1], dtype=torch.float32)
-            return x_out, *_outputs(x.shape[0], x.shape[1], x.device)
+def _norm_fake(x, update, gate, cam_scale, cam_shift, weight, bias, eps, affine):
+    updated = update is not None or cam_scale is not None
+    x_out = x.new_empty(x.shape[0] if updated else 0, x.shape[1], dtype=torch.float32)
+    return x_out, *_outputs(x.shape[0], x.shape[1], x.device)
 
 
-_register()
+# `torch.ops.lingbot.fp8_codes_rows` and `fp8_norm_codes`. Opaque to torch.compile: traced as a user kernel, the norm
+# kernel failed inductor's own Triton compile on an H200 ("Unsupported rounding mode for conversion" in the LLVM
+# lowering) where the same kernel launched as written compiles; as ops, a compiled block calls them as they are (no
+# graph break).
+lingbot_op("fp8_codes_rows", _launch_rows, lambda t, plus, silu: _outputs(t.shape[0], t.shape[1], t.device))
+lingbot_op("fp8_norm_codes", _launch_norm, _norm_fake)
 
 
 def quantize_rows(

@@ -16,7 +16,7 @@ dtype. The sum of squares is taken in another order and rsqrt is Triton's, so a 
 input's dtype.
 
 With ``--attention fa3_fp8`` the same kernel writes the queries as FlashAttention-3's e4m3 codes (`norm_rope_codes`,
-an op: `_register`): each head at a fixed scale from its norm's weights (`head_bound_scale`), the rotated value
+an op, `devices.lingbot_op`): each head at a fixed scale from its norm's weights (`head_bound_scale`), the rotated value
 rounded to the query's dtype first, as the unfused path quantizes it. That saves the per-head amax and the cast, two
 more passes over q (42 -> 31 us a call at the 1.3B chunk's shape on an H200, inside a CUDA graph). Into a K/V
 cache of e4m3, or of the keys' own dtype, it writes the keys where the cache keeps the chunk's keys
@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .devices import power_of_two_blocks, triton, triton_runs_on
+from .devices import lingbot_op, power_of_two_blocks, triton, triton_runs_on
 from .fp8_attention import _TINY, FP8, FP8_MAX
 
 enabled = True  # the benchmarks' A/B switch (read at trace time: a compiled block guards on it)
@@ -209,9 +209,8 @@ def usable(x: torch.Tensor, table: torch.Tensor, head_dim: int) -> bool:
 # An H200's sweep in CUDA graphs (BENCHMARKS.md): at 1,536 columns the keys 18.4 -> 14.6 us, the queries' codes 21.7 ->
 # 16.7 (strided, 2 warps); at 5,120 the keys 91.9 -> 49.6, the queries' codes 102.5 -> 62.3 (whole tiles, 4 warps).
 STRIDED_COLS = 2048
-WIDE_COLS = (
-    8192  # wider rows (none of the models') take 8 warps, so a thread holds no more than at 8,192 with 4
-)
+# wider rows (none of the models') take 8 warps, so a thread holds no more than at 8,192 columns with 4
+WIDE_COLS = 8192
 
 
 def _launch(x, weight, table, out, scale, eps: float) -> torch.Tensor:
@@ -289,29 +288,11 @@ def _into(
     _launch(x, weight, table, out, None, eps)
 
 
-def _register() -> None:
-    """`torch.ops.lingbot.qk_rope_codes` and `qk_rope_into`, once per process (the pack may be imported under two
-    names): opaque to torch.compile, as `wan.fp8_inputs`'s kernels are (an e4m3 cast traced as a user kernel can
-    fail inductor's own Triton compile). `qk_rope_into` declares that it writes `cache`, so inductor hands it the K/V
-    cache itself (no copy of the cache, none of the keys)."""
-    for name, make in (("qk_rope_codes", _make_codes_op), ("qk_rope_into", _make_into_op)):
-        try:
-            getattr(torch.ops.lingbot, name)
-        except (AttributeError, RuntimeError):
-            make()
-
-
-def _make_codes_op() -> None:
-    op = torch.library.custom_op("lingbot::qk_rope_codes", _codes, mutates_args=())
-    op.register_fake(lambda x, weight, table, scale, eps: x.new_empty(x.shape, dtype=FP8))
-
-
-def _make_into_op() -> None:
-    op = torch.library.custom_op("lingbot::qk_rope_into", _into, mutates_args=("cache",))
-    op.register_fake(lambda x, weight, table, eps, cache, start: None)
-
-
-_register()
+# `torch.ops.lingbot.qk_rope_codes` and `qk_rope_into`: opaque to torch.compile, as `wan.fp8_inputs`'s kernels are (an
+# e4m3 cast traced as a user kernel can fail inductor's own Triton compile). `qk_rope_into` declares that it writes
+# `cache`, so inductor hands it the K/V cache itself (no copy of the cache, none of the keys).
+lingbot_op("qk_rope_codes", _codes, lambda x, weight, table, scale, eps: x.new_empty(x.shape, dtype=FP8))
+lingbot_op("qk_rope_into", _into, lambda x, weight, table, eps, cache, start: None, mutates_args=("cache",))
 
 
 def head_bound_scale(norm: nn.Module, heads: int) -> torch.Tensor:
